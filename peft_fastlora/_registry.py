@@ -1,0 +1,114 @@
+"""The one place that touches PEFT internals.
+
+PEFT has no public API for adding a ``PeftType`` member, so this module extends the enum, registers the FASTLORA
+method (config class, tuner class, the ``lora_`` key prefix) and hooks the model card writer. Everything is
+idempotent on re-import and fails loudly, before anything is changed, on a PEFT whose internals differ.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import peft
+from packaging.version import Version
+
+SUPPORTED_PEFT = (Version("0.21.0"), Version("0.22.0"))
+FASTLORA = "FASTLORA"
+_CARD_HOOK_MARK = "_peft_fastlora_card_hook"
+
+
+class UnsupportedPeftVersionError(ImportError):
+    """Raised when the installed PEFT does not have the internals this plugin extends."""
+
+
+def _fail(what: str) -> None:
+    lo, hi = SUPPORTED_PEFT
+    raise UnsupportedPeftVersionError(
+        f"peft_fastlora supports peft>={lo},<{hi}, but the installed peft {peft.__version__} {what}. "
+        f'Install a supported version: pip install "peft>={lo},<{hi}".'
+    )
+
+
+def check_peft_version() -> None:
+    """Checks the installed PEFT version and that every internal this module relies on is present."""
+    lo, hi = SUPPORTED_PEFT
+    if not lo <= Version(Version(peft.__version__).base_version) < hi:
+        _fail("is outside that range")
+    from peft import mapping, peft_model, utils
+    from peft.utils import peft_types
+
+    for owner, name in [
+        (peft_types, "PeftType"),
+        (utils, "register_peft_method"),
+        (mapping, "PEFT_TYPE_TO_CONFIG_MAPPING"),
+        (mapping, "PEFT_TYPE_TO_TUNER_MAPPING"),
+        (mapping, "PEFT_TYPE_TO_PREFIX_MAPPING"),
+        (peft_model.PeftModel, "create_or_update_model_card"),
+    ]:
+        if not hasattr(owner, name):
+            _fail(f"has no `{getattr(owner, '__name__', owner)}.{name}`")
+    for attr in ("_member_map_", "_value2member_map_", "_member_names_"):
+        if not hasattr(peft_types.PeftType, attr):
+            _fail(f"has a PeftType enum without `{attr}`")
+
+
+def extend_peft_type():
+    """Adds ``PeftType.FASTLORA`` (a ``str`` enum member equal to ``"FASTLORA"``); returns the member."""
+    from peft.utils.peft_types import PeftType
+
+    if FASTLORA in PeftType._member_map_:
+        return PeftType._member_map_[FASTLORA]
+    member = str.__new__(PeftType, FASTLORA)
+    member._name_ = FASTLORA
+    member._value_ = FASTLORA
+    member.__objclass__ = PeftType
+    member.__init__(FASTLORA)
+    # Set the class attribute before the member maps: EnumType.__setattr__ refuses names that are already members.
+    type.__setattr__(PeftType, FASTLORA, member)
+    PeftType._member_map_[FASTLORA] = member
+    PeftType._value2member_map_[FASTLORA] = member
+    PeftType._member_names_.append(FASTLORA)
+    return member
+
+
+def register_method(config_cls, model_cls) -> None:
+    """Registers FASTLORA with ``peft.utils.register_peft_method``, sharing LoRA's ``lora_`` key prefix.
+
+    ``register_peft_method`` refuses a prefix that another method already uses, and LoRA owns ``lora_``; FastLoRA
+    adapters must keep LoRA's keys (so plain PEFT, vLLM and friends can read them), so LoRA's entry is lifted for
+    the duration of the call and put back. Re-registration (a re-import) just refreshes the classes.
+    """
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_PREFIX_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
+    from peft.utils import register_peft_method
+    from peft.utils.peft_types import PeftType
+
+    peft_type = extend_peft_type()
+    if peft_type in PEFT_TYPE_TO_TUNER_MAPPING:
+        PEFT_TYPE_TO_CONFIG_MAPPING[peft_type] = config_cls
+        PEFT_TYPE_TO_TUNER_MAPPING[peft_type] = model_cls
+        return
+    lora_prefix = PEFT_TYPE_TO_PREFIX_MAPPING.pop(PeftType.LORA)
+    try:
+        register_peft_method(name=FASTLORA.lower(), config_cls=config_cls, model_cls=model_cls, prefix=lora_prefix)
+    finally:
+        PEFT_TYPE_TO_PREFIX_MAPPING[PeftType.LORA] = lora_prefix
+
+
+def hook_model_card(update_card) -> None:
+    """Makes ``PeftModel.save_pretrained`` also call ``update_card(peft_model, output_dir)`` after PEFT's card."""
+    from peft.peft_model import PeftModel
+
+    original = PeftModel.create_or_update_model_card
+    original = getattr(original, _CARD_HOOK_MARK, original)
+
+    @functools.wraps(original)
+    def create_or_update_model_card(self, output_dir: str):
+        original(self, output_dir)
+        update_card(self, output_dir)
+
+    setattr(create_or_update_model_card, _CARD_HOOK_MARK, original)
+    PeftModel.create_or_update_model_card = create_or_update_model_card
+
+
+check_peft_version()
+PEFT_TYPE_FASTLORA = extend_peft_type()

@@ -1,0 +1,94 @@
+"""FastLoRA layers over bitsandbytes ``Linear4bit`` and ``Linear8bitLt``, and their PEFT dispatch functions."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import bitsandbytes as bnb
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+from .bnb_weights import int8_from_bnb, packed4bit_from_bnb
+from .layer import FastLoraLayer
+from .ops.quant_state import Int8Rowwise, Packed4bit
+
+
+def _restore_standard_packing(base: bnb.nn.Linear4bit) -> None:
+    """Undoes bitsandbytes' CPU-only repacking (done by its eval-mode CPU forward): back to the usual layout."""
+    weight = base.weight
+    if getattr(weight.quant_state, "packing_format_for_cpu", False):
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+        warnings.warn(
+            "This 4-bit layer was repacked by bitsandbytes' CPU inference path; restoring bitsandbytes' standard "
+            "layout (its absmax was rounded to bf16 by that repacking).",
+            stacklevel=3,
+        )
+        weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
+
+
+class FastLoraLinear4bit(FastLoraLayer):
+    """FastLoRA over ``bnb.nn.Linear4bit`` (NF4/FP4, any blocksize, double quantization, any ``quant_storage``)."""
+
+    def quantized_weight(self) -> Packed4bit:
+        base = self.get_base_layer()
+        _restore_standard_packing(base)
+        return packed4bit_from_bnb(base.weight.data, base.weight.quant_state)
+
+    def store_weight(self, weight: torch.Tensor) -> None:
+        base = self.get_base_layer()
+        old = base.weight
+        state = old.quant_state
+        new = bnb.nn.Params4bit(
+            weight.to(state.dtype).to("cpu"),
+            requires_grad=False,
+            blocksize=state.blocksize,
+            compress_statistics=bool(state.nested),
+            quant_type=state.quant_type,
+            quant_storage=getattr(old, "quant_storage", torch.uint8),
+            module=base,
+        )
+        base.weight = new.to(old.device)
+
+
+class FastLoraLinear8bit(FastLoraLayer):
+    """FastLoRA over ``bnb.nn.Linear8bitLt`` (weight-only int8: ``W = CB * SCB / 127``, no activation quantization)."""
+
+    def quantized_weight(self) -> Int8Rowwise:
+        return int8_from_bnb(self.get_base_layer().weight)
+
+    def store_weight(self, weight: torch.Tensor) -> None:
+        base = self.get_base_layer()
+        old = base.weight
+        new = bnb.nn.Int8Params(weight.to(torch.float16).to("cpu"), requires_grad=False, has_fp16_weights=False)
+        base.weight = new.to(old.device)
+        base.state.reset_grads()
+        base.state.SCB = base.weight.SCB
+
+
+def _base_of(target: nn.Module) -> nn.Module:
+    return target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+
+
+def dispatch_bnb_4bit(target: nn.Module, adapter_name: str, config, **kwargs) -> Optional[FastLoraLinear4bit]:
+    """PEFT dispatcher: a [`FastLoraLinear4bit`] for a ``bnb.nn.Linear4bit`` target, else ``None``."""
+    if isinstance(_base_of(target), bnb.nn.Linear4bit):
+        return FastLoraLinear4bit(target, adapter_name, config=config, **kwargs)
+    return None
+
+
+def dispatch_bnb_8bit(target: nn.Module, adapter_name: str, config, **kwargs) -> Optional[FastLoraLinear8bit]:
+    """PEFT dispatcher: a [`FastLoraLinear8bit`] for a quantized ``bnb.nn.Linear8bitLt`` target, else ``None``.
+
+    An 8-bit layer that still keeps fp16 weights (``has_fp16_weights=True``) is not quantized; PEFT's own layer
+    handles it.
+    """
+    base = _base_of(target)
+    if isinstance(base, bnb.nn.Linear8bitLt) and not base.state.has_fp16_weights:
+        return FastLoraLinear8bit(target, adapter_name, config=config, **kwargs)
+    return None
+
+
+DISPATCHERS = (dispatch_bnb_4bit, dispatch_bnb_8bit)

@@ -1,0 +1,104 @@
+"""The one module that decides adapter dtypes.
+
+``adapter_dtype`` policies (``FastLoraConfig.adapter_dtype``), resolved per layer from its compute dtype:
+
+| policy           | compute fp16 | compute bf16 | compute fp32 |
+|------------------|--------------|--------------|--------------|
+| ``"bf16"``         | bf16         | bf16         | bf16         |
+| ``"fp32-if-fp16"`` | fp32         | bf16         | fp32         |
+| ``"fp32"``         | fp32         | fp32         | fp32         |
+
+fp16 compute gets fp32 adapters because torch's GradScaler refuses to unscale fp16 (and, on CUDA, bf16) gradients.
+The compute dtype of a ``Linear4bit`` is its ``compute_dtype``; a ``Linear8bitLt`` has none, so the model's dtype is
+used (the dtype the model was loaded in, ``model.dtype``); any other layer uses its own weight dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+ADAPTER_DTYPE_POLICIES = ("bf16", "fp32-if-fp16", "fp32")
+DEFAULT_ADAPTER_DTYPE = "fp32-if-fp16"
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_adapter_dtype(value: object) -> str:
+    """Validates an ``adapter_dtype`` policy name and returns it."""
+    if value not in ADAPTER_DTYPE_POLICIES:
+        allowed = ", ".join(repr(p) for p in ADAPTER_DTYPE_POLICIES)
+        raise ValueError(
+            f"`adapter_dtype` must be one of {allowed}, got {value!r}. Use 'fp32-if-fp16' (the default) for fp16 "
+            "training with GradScaler, or 'bf16' for the QLoRA paper's bf16 adapters."
+        )
+    return value
+
+
+def resolve_adapter_dtype(policy: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """Returns the adapter parameter dtype that ``policy`` gives for a layer computing in ``compute_dtype``."""
+    check_adapter_dtype(policy)
+    if policy == "bf16":
+        return torch.bfloat16
+    if policy == "fp32":
+        return torch.float32
+    return torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float32
+
+
+def layer_compute_dtype(base_layer: torch.nn.Module, model_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """The compute dtype that the policy is resolved against, for one base layer (see the module docstring)."""
+    import bitsandbytes as bnb
+
+    fallback = model_dtype if model_dtype in FLOAT_DTYPES else torch.float32
+    if isinstance(base_layer, bnb.nn.Linear4bit):
+        compute = getattr(base_layer, "compute_dtype", None)
+        return compute if compute in FLOAT_DTYPES else fallback
+    if isinstance(base_layer, bnb.nn.Linear8bitLt):
+        return fallback
+    weight = getattr(base_layer, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dtype in FLOAT_DTYPES:
+        return weight.dtype
+    return fallback
+
+
+def model_float_dtype(model: torch.nn.Module) -> Optional[torch.dtype]:
+    """The model's dtype: ``model.dtype`` for transformers models, else its first floating-point parameter's."""
+    dtype = getattr(model, "dtype", None)
+    if dtype in FLOAT_DTYPES:
+        return dtype
+    for param in model.parameters():
+        if param.dtype in FLOAT_DTYPES:
+            return param.dtype
+    return None
+
+
+def apply_adapter_dtype_policy(model: torch.nn.Module, adapter_name: str, policy: str) -> None:
+    """Casts every LoRA parameter of ``adapter_name`` in ``model`` to the dtype ``policy`` resolves to per layer.
+
+    FastLoRA layers remember the resolved dtype (``layer.adapter_dtypes``), so their forward can undo a later cast
+    done outside peft_fastlora. Parameters stay the same objects (only ``.data`` changes), so an optimizer that
+    already holds them keeps working.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    check_adapter_dtype(policy)
+    model_dtype = model_float_dtype(model)
+    for module in model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        base = module.get_base_layer()
+        dtype = resolve_adapter_dtype(policy, layer_compute_dtype(base, model_dtype))
+        touched = False
+        for attr in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
+            container = getattr(module, attr, None)
+            if container is None or adapter_name not in container:
+                continue
+            item = container[adapter_name]
+            params = [item] if isinstance(item, torch.nn.Parameter) else list(item.parameters())
+            for param in params:
+                if param.is_floating_point() and param.device.type != "meta":
+                    param.data = param.data.to(dtype)
+            touched = True
+        if touched and hasattr(module, "adapter_dtypes"):
+            module.adapter_dtypes[adapter_name] = dtype
+            module.model_dtype = model_dtype

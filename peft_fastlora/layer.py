@@ -1,0 +1,200 @@
+"""``FastLoraLayer``: LoRA over a quantized base layer, computed by ``peft_fastlora.ops``.
+
+The base weight is dequantized straight to the activation dtype on every call (never to the quant_state dtype), so
+fp16, bf16 and fp32 activations all work on any checkpoint. The quantization backends (``bnb.py``) subclass this and
+say how to read the quantized weight and how to store a merged one.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import torch
+from peft.tuners.lora import LoraLayer
+from peft.tuners.tuners_utils import check_adapters_to_merge
+from torch import nn
+
+from . import ops
+from .guard import clamp_fp16
+from .ops.quant_state import QuantizedWeight
+
+LOSSY_MERGE_WARNING = (
+    "Merging a LoRA adapter into a quantized weight requantizes it, which loses most of a small trained delta. "
+    "For a lossless merge use `model.merge_and_unload(dequantize=True)`, which returns an unquantized model."
+)
+RECAST_WARNING = (
+    "FastLoRA adapter weights of '{adapter}' were cast to {found} outside peft_fastlora (for example by a trainer "
+    "that casts trainable parameters); restoring the `adapter_dtype` policy's {policy}. Set `adapter_dtype` in "
+    "FastLoraConfig instead of casting the adapters."
+)
+
+
+class FastLoraLayer(nn.Module, LoraLayer):
+    """A LoRA layer whose base is a quantized linear layer; subclasses define the quantization backend.
+
+    Args:
+        base_layer (`nn.Module`): The quantized layer (or a LoRA layer wrapping it).
+        adapter_name (`str`): Name of the first adapter.
+        config ([`FastLoraConfig`]): The adapter's configuration.
+        r (`int`): LoRA rank.
+        lora_alpha (`int`): LoRA alpha.
+    """
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config, r: int = 0, lora_alpha: int = 1, **kwargs):
+        super().__init__()
+        LoraLayer.__init__(self, base_layer)
+        self.fan_in_fan_out = False
+        # Resolved `adapter_dtype` per adapter, filled by `peft_fastlora.dtypes.apply_adapter_dtype_policy`.
+        self.adapter_dtypes: dict[str, torch.dtype] = {}
+        self.overflow_guard = bool(getattr(config, "fp16_overflow_guard", False))
+        self.register_buffer("overflow_count", torch.zeros((), dtype=torch.int64), persistent=False)
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
+
+    # ---- backend hooks -------------------------------------------------------------------------------------------
+    def quantized_weight(self) -> QuantizedWeight:
+        """The base weight as a plain-tensor container for ``peft_fastlora.ops``."""
+        raise NotImplementedError
+
+    def store_weight(self, weight: torch.Tensor) -> None:
+        """Requantizes a full-precision ``(out_features, in_features)`` weight into the base layer."""
+        raise NotImplementedError
+
+    def resolve_lora_variant(self, *, config, **kwargs):
+        return None  # FastLoraConfig rejects DoRA and the other variants up front
+
+    # ---- math ----------------------------------------------------------------------------------------------------
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The base weight dequantized to ``dtype``."""
+        return ops.dequantize(self.quantized_weight(), dtype)
+
+    def get_delta_weight(self, adapter: str) -> torch.Tensor:
+        """``scaling * B @ A`` in fp32, shape ``(out_features, in_features)``."""
+        a = self.lora_A[adapter].weight.float()
+        b = self.lora_B[adapter].weight.float()
+        return (b @ a) * self.scaling[adapter]
+
+    def _lora_input(self, x: torch.Tensor, adapter: str) -> Optional[torch.Tensor]:
+        dropout = self.lora_dropout[adapter]
+        return None if isinstance(dropout, nn.Identity) else dropout(x)
+
+    def _lora_delta(self, x: torch.Tensor, adapter: str, out_dtype: torch.dtype) -> torch.Tensor:
+        """The LoRA term of one adapter, computed in the adapter dtype and returned in ``out_dtype``."""
+        lora_a, lora_b = self.lora_A[adapter], self.lora_B[adapter]
+        lora_x = self._lora_input(x, adapter)
+        lx = (x if lora_x is None else lora_x).to(lora_a.weight.dtype)
+        return (lora_b(lora_a(lx)) * self.scaling[adapter]).to(out_dtype)
+
+    def _restore_adapter_dtypes(self, adapters: list[str]) -> None:
+        """Undoes an outside cast of the adapters (e.g. TRL's bf16 cast) before it reaches GradScaler."""
+        for adapter in adapters:
+            policy = self.adapter_dtypes.get(adapter)
+            for module in (self.lora_A[adapter], self.lora_B[adapter]):
+                found = module.weight.dtype
+                if policy is not None and found != policy:
+                    warnings.warn(RECAST_WARNING.format(adapter=adapter, found=found, policy=policy), stacklevel=3)
+                    module.to(policy)
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._check_forward_args(x, *args, **kwargs)
+        adapter_names = kwargs.pop("adapter_names", None)
+        if self.disable_adapters and self.merged:
+            self.unmerge()
+        guard = self.overflow_guard and x.dtype == torch.float16
+        if guard:
+            x = clamp_fp16(x, self.overflow_count)
+
+        weight = self.quantized_weight()
+        bias = self.get_base_layer().bias
+        if self.disable_adapters or self.merged:
+            adapters = []
+        elif adapter_names is not None:
+            adapters = sorted({a for a in adapter_names if a in self.lora_A})
+        else:
+            adapters = [a for a in self.active_adapters if a in self.lora_A]
+        self._restore_adapter_dtypes(adapters)
+
+        if adapter_names is not None or not adapters:
+            result = ops.fastlora_linear(x, weight, bias, None, None, 1.0)
+            if adapter_names is not None:
+                result = self._add_mixed_batch(result, x, adapter_names, adapters)
+        else:
+            first = adapters[0]
+            result = ops.fastlora_linear(
+                x,
+                weight,
+                bias,
+                self.lora_A[first].weight,
+                self.lora_B[first].weight,
+                self.scaling[first],
+                lora_x=self._lora_input(x, first),
+            )
+            for adapter in adapters[1:]:
+                result = result + self._lora_delta(x, adapter, result.dtype)
+        if guard:
+            result = clamp_fp16(result, self.overflow_count)
+        return result
+
+    def _add_mixed_batch(self, result, x, adapter_names: list[str], adapters: list[str]) -> torch.Tensor:
+        """Adds each sample's own adapter (``adapter_names[i]``; ``"__base__"`` means none) to ``result``."""
+        for adapter in adapters:
+            rows = [i for i, name in enumerate(adapter_names) if name == adapter]
+            result[rows] += self._lora_delta(x[rows], adapter, result.dtype)
+        return result
+
+    # ---- merging -------------------------------------------------------------------------------------------------
+    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+        """Merges adapters into the quantized weight by requantizing it (lossy; warns).
+
+        Args:
+            safe_merge (`bool`): Check the merged weight for NaN/inf before storing it.
+            adapter_names (`list[str]`, *optional*): Adapters to merge; defaults to the active ones.
+        """
+        for adapter in check_adapters_to_merge(self, adapter_names):
+            if adapter not in self.lora_A:
+                continue
+            warnings.warn(LOSSY_MERGE_WARNING, stacklevel=2)
+            merged = self.dequantized_weight(torch.float32) + self.get_delta_weight(adapter)
+            if safe_merge and not torch.isfinite(merged).all():
+                raise ValueError(f"NaNs detected in the merged weights: adapter {adapter!r} seems to be broken.")
+            self.store_weight(merged)
+            self.merged_adapters.append(adapter)
+
+    def unmerge(self) -> None:
+        """Subtracts the merged adapters from the quantized weight again (lossy, like `merge`)."""
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
+            return
+        while self.merged_adapters:
+            adapter = self.merged_adapters.pop()
+            if adapter in self.lora_A:
+                self.store_weight(self.dequantized_weight(torch.float32) - self.get_delta_weight(adapter))
+
+    def dequantize_and_merge(self, adapter_names: Optional[list[str]] = None) -> nn.Linear:
+        """A plain ``nn.Linear`` holding the dequantized base plus the adapters, in the layer's compute dtype.
+
+        Lossless up to that dtype's rounding: nothing is requantized.
+        """
+        from .dtypes import layer_compute_dtype
+
+        base = self.get_base_layer()
+        dtype = layer_compute_dtype(base, getattr(self, "model_dtype", None))
+        weight = self.dequantized_weight(torch.float32)
+        if self.merged:  # the quantized weight already contains these; take them out first
+            for adapter in self.merged_adapters:
+                weight = weight - self.get_delta_weight(adapter)
+        names = adapter_names if adapter_names is not None else [a for a in self.active_adapters if a in self.lora_A]
+        for adapter in names:
+            weight = weight + self.get_delta_weight(adapter)
+        linear = nn.Linear(self.in_features, self.out_features, bias=base.bias is not None, device=weight.device,
+                           dtype=dtype)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+            if base.bias is not None:
+                linear.bias.copy_(base.bias)
+        linear.requires_grad_(False)
+        return linear
+
+    def __repr__(self) -> str:
+        return "fastlora." + super().__repr__()

@@ -1,0 +1,40 @@
+import bitsandbytes as bnb
+import pytest
+import torch
+
+from peft_fastlora.dtypes import layer_compute_dtype, resolve_adapter_dtype
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@pytest.mark.parametrize(
+    "policy, compute, expected",
+    [
+        ("bf16", FP16, BF16), ("bf16", BF16, BF16), ("bf16", FP32, BF16),
+        ("fp32-if-fp16", FP16, FP32), ("fp32-if-fp16", BF16, BF16), ("fp32-if-fp16", FP32, FP32),
+        ("fp32", FP16, FP32), ("fp32", BF16, FP32), ("fp32", FP32, FP32),
+    ],
+)
+def test_policy_table(policy, compute, expected):
+    assert resolve_adapter_dtype(policy, compute) == expected
+
+
+def test_resolve_rejects_unknown_policy():
+    with pytest.raises(ValueError, match="`adapter_dtype` must be one of"):
+        resolve_adapter_dtype("fp8", FP16)
+
+
+@pytest.mark.parametrize("compute", [FP16, BF16, FP32])
+def test_4bit_compute_dtype_comes_from_the_layer(compute):
+    layer = bnb.nn.Linear4bit(16, 8, compute_dtype=compute)
+    assert layer_compute_dtype(layer, model_dtype=BF16 if compute != BF16 else FP16) == compute
+
+
+@pytest.mark.parametrize("model_dtype", [FP16, BF16, FP32])
+def test_8bit_compute_dtype_is_the_model_dtype(model_dtype):
+    layer = bnb.nn.Linear8bitLt(16, 8, has_fp16_weights=False)
+    assert layer_compute_dtype(layer, model_dtype=model_dtype) == model_dtype
+
+
+def test_plain_layer_uses_its_weight_dtype():
+    assert layer_compute_dtype(torch.nn.Linear(4, 4, dtype=FP16), model_dtype=FP32) == FP16

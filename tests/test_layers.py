@@ -1,0 +1,203 @@
+"""FastLoRA layers over bitsandbytes layers: dispatch, forward math and dtypes, gradients, adapters API."""
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import Linear as PeftLoraLinear
+from torch import nn
+
+import peft_fastlora
+from peft_fastlora.bnb import FastLoraLinear4bit, FastLoraLinear8bit
+from peft_fastlora.ops.reference import dequantize_ref
+from tests.utils import load_quantized
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+# (activation dtype, atol, rtol) against an fp32 computation on the same dequantized weights: fp32 is exact up to
+# summation order; fp16/bf16 round the inputs, the weight and the output (bf16 has an 8-bit mantissa).
+ACT_TOLS = [(FP32, 1e-5, 1e-5), (FP16, 2e-3, 2e-3), (BF16, 2e-2, 2e-2)]
+
+
+def fast_config(**kwargs):
+    return peft_fastlora.FastLoraConfig(
+        **{"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "init_lora_weights": False, **kwargs}
+    )
+
+
+@pytest.fixture(params=["nf4", "fp4", "nf4-dq", "int8"])
+def quant(request):
+    return request.param
+
+
+def quantized(path, quant, compute=BF16, dtype=BF16):
+    if quant == "int8":
+        return load_quantized(path, dtype=dtype, bits=8)
+    return load_quantized(path, dtype=dtype, bits=4, quant_type=quant[:3], compute_dtype=compute,
+                          double_quant=quant.endswith("-dq"))
+
+
+def first_layer(model):
+    return model.base_model.model.model.layers[0].mlp.down_proj
+
+
+def test_quantized_targets_become_fastlora_layers(tiny_llama_path, quant):
+    model = get_peft_model(quantized(tiny_llama_path, quant), fast_config())
+    expected = FastLoraLinear8bit if quant == "int8" else FastLoraLinear4bit
+    layers = [m for m in model.modules() if isinstance(m, peft_fastlora.FastLoraLayer)]
+    assert len(layers) == 2 * 7  # 2 decoder layers x (q, k, v, o, gate, up, down)
+    assert all(type(m) is expected for m in layers)
+
+
+def test_unquantized_targets_keep_peft_layers(tiny_llama_path):
+    model = get_peft_model(quantized(tiny_llama_path, "nf4"), fast_config(target_modules=["down_proj", "lm_head"]))
+    assert isinstance(model.base_model.model.lm_head, PeftLoraLinear)
+    assert not isinstance(model.base_model.model.lm_head, peft_fastlora.FastLoraLayer)
+    assert isinstance(first_layer(model), FastLoraLinear4bit)
+
+
+def expected_output(layer, x):
+    """fp32 computation of base + LoRA on the layer's own dequantized weight."""
+    w = dequantize_ref(layer.quantized_weight(), FP32)
+    bias = layer.get_base_layer().bias
+    out = x.float() @ w.T + (0 if bias is None else bias.float())
+    a, b = layer.lora_A["default"].weight.float(), layer.lora_B["default"].weight.float()
+    return out + (x.float() @ a.T @ b.T) * layer.scaling["default"]
+
+
+@pytest.mark.parametrize("act_dtype, atol, rtol", ACT_TOLS)
+@pytest.mark.parametrize("compute", [BF16, FP16, FP32])
+def test_output_dtype_is_activation_dtype_whatever_the_compute_dtype(tiny_llama_path, quant, compute, act_dtype,
+                                                                     atol, rtol):
+    # fp32 adapters isolate the base path: with bf16 adapters the LoRA term is computed in bf16 by design.
+    model = get_peft_model(quantized(tiny_llama_path, quant, compute=compute), fast_config(adapter_dtype="fp32"))
+    layer = first_layer(model)
+    x = torch.randn(2, 5, layer.in_features, dtype=act_dtype)
+    out = layer(x)
+    assert out.dtype == act_dtype
+    assert out.shape == (2, 5, layer.out_features)
+    torch.testing.assert_close(out.float(), expected_output(layer, x), atol=atol * 10, rtol=rtol)
+
+
+@pytest.mark.parametrize("act_dtype, atol, rtol", ACT_TOLS)
+def test_gradients_for_x_and_adapters_none_for_base(tiny_llama_path, quant, act_dtype, atol, rtol):
+    model = get_peft_model(quantized(tiny_llama_path, quant), fast_config(adapter_dtype="fp32"))
+    layer = first_layer(model)
+    x = torch.randn(3, layer.in_features, dtype=act_dtype, requires_grad=True)
+    grad_out = torch.randn(3, layer.out_features, dtype=act_dtype)
+    layer(x).backward(grad_out)
+
+    a = layer.lora_A["default"].weight.detach().clone().requires_grad_()
+    b = layer.lora_B["default"].weight.detach().clone().requires_grad_()
+    x32 = x.detach().float().requires_grad_()
+    w = dequantize_ref(layer.quantized_weight(), FP32)
+    ref = x32 @ w.T + (x32 @ a.T @ b.T) * layer.scaling["default"]
+    ref.backward(grad_out.float())
+
+    assert x.grad.dtype == act_dtype and layer.lora_A["default"].weight.grad.dtype == FP32
+    scale = 10 if act_dtype != FP32 else 1
+    torch.testing.assert_close(x.grad.float(), x32.grad, atol=atol * scale, rtol=rtol * scale)
+    torch.testing.assert_close(layer.lora_A["default"].weight.grad, a.grad, atol=atol * scale, rtol=rtol * scale)
+    torch.testing.assert_close(layer.lora_B["default"].weight.grad, b.grad, atol=atol * scale, rtol=rtol * scale)
+    assert not layer.get_base_layer().weight.requires_grad
+
+
+def test_disable_adapter_gives_the_base_output(tiny_llama_path, quant):
+    model = get_peft_model(quantized(tiny_llama_path, quant), fast_config())
+    layer = first_layer(model)
+    x = torch.randn(4, layer.in_features, dtype=BF16)
+    base_only = x @ dequantize_ref(layer.quantized_weight(), BF16).T
+    with model.disable_adapter():
+        torch.testing.assert_close(layer(x), base_only)
+    assert not torch.allclose(layer(x), base_only)
+
+
+def test_several_adapters_set_adapter_and_mixed_batch(tiny_llama_path):
+    model = get_peft_model(quantized(tiny_llama_path, "nf4"), fast_config())
+    model.add_adapter("other", fast_config(r=4))
+    ids = torch.randint(0, 128, (3, 6))
+    model.eval()
+    with torch.no_grad():
+        logits_default = model(ids).logits
+        model.set_adapter("other")
+        logits_other = model(ids).logits
+        with model.disable_adapter():
+            logits_base = model(ids).logits
+        mixed = model(ids, adapter_names=["default", "other", "__base__"]).logits
+    assert not torch.allclose(logits_default, logits_other)
+    torch.testing.assert_close(mixed[0], logits_default[0])
+    torch.testing.assert_close(mixed[1], logits_other[1])
+    torch.testing.assert_close(mixed[2], logits_base[2])
+
+
+def test_two_active_adapters_add_up(tiny_llama_path):
+    model = get_peft_model(quantized(tiny_llama_path, "nf4", dtype=FP32, compute=FP32), fast_config())
+    model.add_adapter("other", fast_config(r=4))
+    layer = first_layer(model)
+    x = torch.randn(2, layer.in_features)
+    base = x @ dequantize_ref(layer.quantized_weight(), FP32).T
+    deltas = {}
+    for name in ("default", "other"):
+        layer.set_adapter(name)
+        deltas[name] = layer(x) - base
+    layer.set_adapter(["default", "other"])
+    torch.testing.assert_close(layer(x), base + deltas["default"] + deltas["other"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy, compute, expected", [("fp32-if-fp16", FP16, FP32), ("fp32-if-fp16", BF16, BF16),
+                                                      ("bf16", FP16, BF16), ("fp32", BF16, FP32)])
+@pytest.mark.parametrize("autocast_adapter_dtype", [True, False])
+def test_policy_holds_over_peft_autocast(tiny_llama_path, policy, compute, expected, autocast_adapter_dtype):
+    base = quantized(tiny_llama_path, "nf4", compute=compute, dtype=compute)
+    model = get_peft_model(base, fast_config(adapter_dtype=policy), autocast_adapter_dtype=autocast_adapter_dtype)
+    model.add_adapter("second", fast_config(adapter_dtype=policy))
+    dtypes = {p.dtype for n, p in model.named_parameters() if "lora_" in n}
+    assert dtypes == {expected}
+
+
+def test_8bit_policy_uses_model_dtype(tiny_llama_path):
+    model = get_peft_model(quantized(tiny_llama_path, "int8", dtype=FP16), fast_config())
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {FP32}
+
+
+def test_outside_cast_is_restored_with_a_warning(tiny_llama_path):
+    model = get_peft_model(quantized(tiny_llama_path, "nf4", compute=FP16, dtype=FP16), fast_config())
+    params = [p for n, p in model.named_parameters() if "lora_" in n]
+    optimizer = torch.optim.AdamW(params)
+    for p in params:  # what TRL does to trainable params of quantized models
+        p.data = p.data.to(BF16)
+    ids = torch.randint(0, 128, (2, 5))
+    with pytest.warns(UserWarning, match="restoring the `adapter_dtype` policy's torch.float32"):
+        model(ids, labels=ids).loss.backward()
+    assert {p.dtype for p in params} == {FP32}
+    assert all(p.grad is not None and p.grad.dtype == FP32 for p in params)
+    assert optimizer.param_groups[0]["params"][0] is params[0]
+
+
+def test_4bit_weight_repacked_by_bnb_cpu_inference_is_restored(tiny_llama_path):
+    base = quantized(tiny_llama_path, "nf4", compute=FP32, dtype=FP32)
+    layer = base.model.layers[0].self_attn.q_proj  # in 64 x out 64: bnb's CPU repacking applies
+    reference = dequantize_ref(peft_fastlora.bnb_weights.packed4bit_from_bnb(layer.weight.data,
+                                                                             layer.weight.quant_state), FP32)
+    if not layer.support_avx512bf16_for_cpu:
+        pytest.skip("bitsandbytes only repacks on CPUs with AVX512-BF16")
+    base.eval()
+    with torch.no_grad():
+        layer(torch.randn(1, 64))
+    assert layer.weight.quant_state.packing_format_for_cpu
+    model = get_peft_model(base, fast_config())
+    fast = model.base_model.model.model.layers[0].self_attn.q_proj
+    with pytest.warns(UserWarning, match="repacked by bitsandbytes' CPU inference path"):
+        restored = dequantize_ref(fast.quantized_weight(), FP32)
+    torch.testing.assert_close(restored, reference, atol=1e-2, rtol=1e-2)  # absmax went through bf16
+
+
+def test_module_level_8bit_with_fp16_weights_keeps_peft_layer():
+    model = nn.Sequential()
+    model.add_module("proj", bnb.nn.Linear8bitLt(16, 8, has_fp16_weights=True))
+    peft_model = get_peft_model(model, fast_config(target_modules=["proj"]))
+    assert not isinstance(peft_model.base_model.model.proj, peft_fastlora.FastLoraLayer)
+
+
+def test_stock_lora_config_still_uses_peft_layers(tiny_llama_path):
+    model = get_peft_model(quantized(tiny_llama_path, "nf4"), LoraConfig(r=4, target_modules=["down_proj"]))
+    assert not any(isinstance(m, peft_fastlora.FastLoraLayer) for m in model.modules())
