@@ -15,7 +15,14 @@ _UNSUPPORTED = {
     "alora_invocation_tokens": "aLoRA",
     "arrow_config": "Arrow",
     "lora_bias": "LoRA bias (`lora_bias=True`)",
+    "use_qalora": "QA-LoRA",
+    "velora_config": "VeLoRA",
+    "monteclora_config": "MonteCLoRA",
+    "kasa_config": "KaSA",
+    "use_bdlora": "BD-LoRA",
 }
+# Initialisations that read or rewrite the base weight (which is quantized here) are not supported.
+_SUPPORTED_INITS = (True, False, "gaussian", "orthogonal")
 
 
 @dataclass
@@ -57,3 +64,9 @@ class FastLoraConfig(LoraConfig):
                     f"FastLoraConfig does not support {what}: got `{name}={getattr(self, name)!r}`. Unset it, or use "
                     "`peft.LoraConfig` for this adapter."
                 )
+        if self.init_lora_weights not in _SUPPORTED_INITS:
+            raise ValueError(
+                f"FastLoraConfig supports `init_lora_weights` in {_SUPPORTED_INITS}, got {self.init_lora_weights!r}: "
+                "data-driven initialisations (PiSSA, OLoRA, CorDA, EVA, LoftQ) rewrite the quantized base weight. "
+                "Use `peft.LoraConfig` for them."
+            )

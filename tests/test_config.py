@@ -39,8 +39,20 @@ def test_bad_overflow_guard_is_a_clear_error():
 
 
 @pytest.mark.parametrize(
-    "kwargs, what", [({"use_dora": True}, "DoRA"), ({"lora_bias": True}, "LoRA bias")]
+    "kwargs, what",
+    [({"use_dora": True}, "DoRA"), ({"lora_bias": True}, "LoRA bias"), ({"use_qalora": True}, "QA-LoRA")],
 )
 def test_unsupported_lora_variants_are_rejected(kwargs, what):
     with pytest.raises(ValueError, match=f"does not support {what}.*peft.LoraConfig"):
         FastLoraConfig(**kwargs)
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora", "corda"])
+def test_data_driven_inits_are_rejected(init):
+    with pytest.raises(ValueError, match=f"`init_lora_weights` in .*got {init!r}"):
+        FastLoraConfig(init_lora_weights=init)
+
+
+@pytest.mark.parametrize("init", [True, False, "gaussian", "orthogonal"])
+def test_plain_inits_are_accepted(init):
+    assert FastLoraConfig(init_lora_weights=init).init_lora_weights == init
