@@ -1,0 +1,638 @@
+"""End-to-end benchmark: LoRA training steps and greedy generation on a Llama-3-8B-shaped model (8 decoder layers).
+
+The model (hidden 4096, intermediate 14336, 32 heads / 8 KV heads, vocab 32000, random bf16 weights) is built in
+code on the device, saved once to a local directory (``--model-dir``, default a temporary one that is deleted at the
+end; reuse it across runs with ``--model-dir DIR --keep-model``) and loaded quantized through the normal
+transformers path: ``from_pretrained(dir, quantization_config=BitsAndBytesConfig(...), device_map={"": 0})``.
+
+Providers, all measured in the same run (LoRA r=16 on every linear layer, AdamW, bf16 autocast, ``model.train()``):
+  bf16-lora                        PEFT LoRA on the unquantized bf16 model (the ceiling)
+  peft-bnb-nf4, -nf4-dq, -int8     PEFT LoRA on the bitsandbytes model
+  fastlora-nf4, -nf4-dq, -int8     FastLoRA (``FastLoraConfig``) on the same bitsandbytes model
+
+Each trains at sequence 2048, batch 1 and 4, with and without gradient checkpointing (non-reentrant): tokens/s is
+the median over timed steps after warm-up (``torch.cuda.synchronize`` around each step), peak memory is
+``torch.cuda.max_memory_allocated`` since a reset before the first step. Greedy generation (batch 1, 128 new tokens,
+adapter active) gives decode tokens/s. ``--profile PROVIDER`` writes the top-20 CUDA kernels of one training step.
+
+GPU:   python benchmarks/bench_train_step.py --out benchmarks/results
+CI:    python benchmarks/bench_train_step.py --device cpu --tiny --out /tmp/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Optional
+
+import _common as C
+import torch
+
+LLAMA3_8B_8_LAYERS = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    num_hidden_layers=8,
+    vocab_size=32000,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+# intermediate 128: bitsandbytes' CPU 4-bit matmul needs in_features % 64 == 0 (down_proj reads the intermediate).
+TINY = dict(LLAMA3_8B_8_LAYERS, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            num_hidden_layers=2, vocab_size=128, max_position_embeddings=256)  # fmt: skip
+RANK = 16
+
+# provider -> (quantization, tuner), in run order: the ceiling first, then each quantization's PEFT and FastLoRA.
+PROVIDERS = {
+    "bf16-lora": (None, "peft"),
+    "peft-bnb-nf4": ("nf4", "peft"),
+    "fastlora-nf4": ("nf4", "fastlora"),
+    "peft-bnb-int8": ("int8", "peft"),
+    "fastlora-int8": ("int8", "fastlora"),
+    "peft-bnb-nf4-dq": ("nf4-dq", "peft"),
+    "fastlora-nf4-dq": ("nf4-dq", "fastlora"),
+}
+PEFT_TWIN = {"fastlora-nf4": "peft-bnb-nf4", "fastlora-nf4-dq": "peft-bnb-nf4-dq", "fastlora-int8": "peft-bnb-int8"}
+COLORS = {p: f"C{i}" for i, p in enumerate(PROVIDERS)}
+GEN_PROVIDERS = ["bf16-lora", "peft-bnb-nf4", "fastlora-nf4", "peft-bnb-int8", "fastlora-int8"]
+
+# Measured earlier on the H200 by the team (PEFT 0.21, bnb 0.50.2): (tokens/s, peak GiB). Context only: absolute
+# numbers drift between machines, so targets use only this run's numbers.
+REFERENCE_TRAIN = {
+    ("bf16-lora", 1, "off"): (44170, 7.41),
+    ("peft-bnb-nf4", 1, "off"): (34600, 5.08),
+    ("peft-bnb-int8", 1, "off"): (18350, 8.26),
+    ("bf16-lora", 1, "on"): (26265, None),
+    ("peft-bnb-nf4", 1, "on"): (20170, None),
+    ("peft-bnb-int8", 1, "on"): (11494, None),
+    ("bf16-lora", 4, "on"): (35458, None),
+    ("peft-bnb-nf4", 4, "on"): (34353, None),
+    ("peft-bnb-int8", 4, "on"): (22204, None),
+}
+REFERENCE_GEN = {"bf16-lora": 85.0, "peft-bnb-nf4": 64.7, "peft-bnb-int8": 28.1}
+
+TRAIN_COLUMNS = [
+    "provider", "quant", "tuner", "batch", "seq", "ckpt", "adapter_dtype", "fastlora_layers", "warmup_steps", "steps",
+    "median_step_ms", "tokens_per_s", "ratio_to_bf16", "ratio_to_peft_bnb", "peak_GiB", "peak_vs_peft_bnb",
+    "resident_GiB", "loss", "ref_tokens_per_s", "ref_peak_GiB", "load_s", "status", "error",
+]  # fmt: skip
+GEN_COLUMNS = [
+    "provider", "quant", "tuner", "prompt", "new_tokens", "seconds", "tokens_per_s", "ratio_to_bf16",
+    "ratio_to_peft_bnb", "ref_tokens_per_s", "status", "error",
+]  # fmt: skip
+SETUP_COLUMNS = ["step", "provider", "seconds", "note"]
+
+
+# ---- model -------------------------------------------------------------------------------------------------------
+
+
+def build_and_save(config, device: torch.device, path: Path):
+    """Builds the random bf16 model on ``device``, saves it to ``path``; returns it and the two durations."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # build straight in bf16: no fp32 copy of the weights
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    C.sync(device)
+    built = time.perf_counter() - start
+    start = time.perf_counter()
+    model.save_pretrained(path)
+    return model, built, time.perf_counter() - start
+
+
+def bnb_config(quant: str):
+    from transformers import BitsAndBytesConfig
+
+    if quant == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+                              bnb_4bit_use_double_quant=quant == "nf4-dq")  # fmt: skip
+
+
+def load_model(path: Path, quant: Optional[str], device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(dtype=torch.bfloat16)
+    if device.type == "cuda":
+        kwargs["device_map"] = {"": device.index or 0}
+    if quant is not None:
+        kwargs["quantization_config"] = bnb_config(quant)
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+
+def wrap(model, provider: str, args):
+    """``get_peft_model`` with LoRA (``peft-*``, ``bf16-lora``) or FastLoRA; returns it and its FastLoRA layer count."""
+    from peft import LoraConfig, get_peft_model
+
+    import peft_fastlora
+
+    _, tuner = PROVIDERS[provider]
+    common = dict(r=RANK, lora_alpha=2 * RANK, lora_dropout=args.lora_dropout, target_modules="all-linear",
+                  task_type="CAUSAL_LM")  # fmt: skip
+    if tuner == "fastlora":
+        extra = {"adapter_dtype": "bf16"} if args.adapter_dtype == "bf16" else {}
+        model = get_peft_model(model, peft_fastlora.FastLoraConfig(**common, **extra))
+    else:
+        model = get_peft_model(model, LoraConfig(**common))
+        if args.adapter_dtype == "bf16":
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.data = param.data.to(torch.bfloat16)
+    n_fast = sum(type(m).__name__.startswith("FastLora") for m in model.modules())
+    if tuner == "fastlora" and n_fast == 0:
+        raise RuntimeError("FastLoraConfig created no FastLoRA layer: the bitsandbytes layers were not dispatched")
+    return model, n_fast
+
+
+def adapter_dtypes(model) -> str:
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters() if p.requires_grad})
+    return "/".join(dtypes)
+
+
+def set_checkpointing(model, on: bool) -> None:
+    """Non-reentrant gradient (activation) checkpointing on or off; transformers 5.2x renamed the methods."""
+    base = model.get_base_model()
+    if hasattr(base, "activation_checkpointing_enable"):
+        if on:
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            base.activation_checkpointing_disable()
+    elif on:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        base.gradient_checkpointing_disable()
+
+
+# ---- measuring ---------------------------------------------------------------------------------------------------
+
+
+def train_step(model, optimizer, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def run_training(model, batch: int, ckpt: bool, args, device: torch.device, vocab: int, progress) -> dict:
+    set_checkpointing(model, ckpt)
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(3, vocab, (batch, args.seq), device=device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    times, loss = [], None
+    try:
+        for i in range(args.warmup_steps + args.steps):
+            C.sync(device)
+            start = time.perf_counter()
+            loss = train_step(model, optimizer, ids, device)
+            C.sync(device)
+            if i >= args.warmup_steps:
+                times.append(time.perf_counter() - start)
+            progress.update(1)
+    finally:
+        optimizer.zero_grad(set_to_none=True)
+        del optimizer
+    step_s = statistics.median(times)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return dict(median_step_ms=step_s * 1e3, tokens_per_s=batch * args.seq / step_s, peak_GiB=peak,
+                loss=float(loss))  # fmt: skip
+
+
+def run_generation(model, args, device: torch.device, vocab: int) -> dict:
+    set_checkpointing(model, False)
+    model.eval()
+    prompt = torch.randint(3, vocab, (1, args.prompt_len), device=device)
+    mask = torch.ones_like(prompt)
+
+    def generate(n: int) -> torch.Tensor:
+        return model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=0)  # fmt: skip
+
+    generate(min(8, args.gen_tokens))  # warm-up: kernels compiled and autotuned, caches allocated
+    C.sync(device)
+    start = time.perf_counter()
+    out = generate(args.gen_tokens)
+    C.sync(device)
+    seconds = time.perf_counter() - start
+    new = out.shape[1] - prompt.shape[1]
+    return dict(prompt=args.prompt_len, new_tokens=new, seconds=seconds, tokens_per_s=new / seconds)
+
+
+def run_profile(model, provider: str, batch: int, ckpt: bool, args, device: torch.device, vocab: int,
+                out: Path) -> Path:
+    """One profiled training step (after one warm-up step); writes the top-20 kernels by GPU time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    set_checkpointing(model, ckpt)
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(3, vocab, (batch, args.seq), device=device)
+    train_step(model, optimizer, ids, device)
+    C.sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        train_step(model, optimizer, ids, device)
+        C.sync(device)
+    del optimizer
+    kernels: dict[str, list] = {}
+    for evt in prof.events():
+        if evt.device_type == DeviceType.CUDA:
+            entry = kernels.setdefault(evt.name, [0.0, 0])
+            entry[0] += evt.time_range.elapsed_us()
+            entry[1] += 1
+    total_us = sum(v[0] for v in kernels.values())
+    rows = [dict(rank=i + 1, kernel=name[:110], calls=n, total_ms=us / 1e3, pct_gpu_time=100 * us / total_us)
+            for i, (name, (us, n)) in enumerate(sorted(kernels.items(), key=lambda kv: -kv[1][0])[:20])]  # fmt: skip
+    tag = f"{provider}_b{batch}_ckpt-{'on' if ckpt else 'off'}"
+    lines = [f"# {line}" for line in C.header_lines(C.env_info(device))]
+    lines.append(f"# profile of one training step: {tag}, seq {args.seq}; GPU kernel time {total_us / 1e3:.2f} ms")
+    if rows:
+        lines.append(C.format_table(rows, ["rank", "kernel", "calls", "total_ms", "pct_gpu_time"],
+                                    "top-20 CUDA kernels by total GPU time"))  # fmt: skip
+    sort_keys = ("self_cuda_time_total", "self_device_time_total") if device.type == "cuda" else ()
+    for key in (*sort_keys, "self_cpu_time_total"):
+        try:
+            lines += ["", f"operators by {key}:", prof.key_averages().table(sort_by=key, row_limit=20)]
+            break
+        except Exception:
+            continue
+    path = out / f"profile_{tag}.txt"
+    path.write_text("\n".join(lines) + "\n")
+    if rows:
+        C.CsvLog(out / f"profile_{tag}.csv", list(rows[0]), C.env_info(device)).rewrite(rows)
+    return path
+
+
+# ---- derived columns, targets, output ----------------------------------------------------------------------------
+
+
+def _find(rows: list[dict], **key) -> Optional[dict]:
+    for row in rows:
+        if row.get("status") == "ok" and all(row.get(k) == v for k, v in key.items()):
+            return row
+    return None
+
+
+def _ratio(num, den) -> Optional[float]:
+    return None if num is None or den is None or den == 0 else num / den
+
+
+def derive(rows: list[dict], gen_rows: list[dict], reference: bool = False) -> None:
+    """Fills the ratio columns (this run only) and, with ``reference``, the earlier run's numbers for context."""
+    for row in rows:
+        if reference:
+            ref = REFERENCE_TRAIN.get((row["provider"], row["batch"], row["ckpt"]))
+            row["ref_tokens_per_s"], row["ref_peak_GiB"] = ref if ref else (None, None)
+        if row.get("status") != "ok":
+            continue
+        key = dict(batch=row["batch"], ckpt=row["ckpt"], seq=row["seq"])
+        bf16 = _find(rows, provider="bf16-lora", **key)
+        twin = _find(rows, provider=PEFT_TWIN.get(row["provider"]), **key)
+        row["ratio_to_bf16"] = _ratio(row["tokens_per_s"], bf16 and bf16["tokens_per_s"])
+        row["ratio_to_peft_bnb"] = _ratio(row["tokens_per_s"], twin and twin["tokens_per_s"])
+        row["peak_vs_peft_bnb"] = _ratio(row.get("peak_GiB"), twin and twin.get("peak_GiB"))
+    for row in gen_rows:
+        if reference:
+            row["ref_tokens_per_s"] = REFERENCE_GEN.get(row["provider"])
+        if row.get("status") != "ok":
+            continue
+        bf16, twin = _find(gen_rows, provider="bf16-lora"), _find(gen_rows, provider=PEFT_TWIN.get(row["provider"]))
+        row["ratio_to_bf16"] = _ratio(row["tokens_per_s"], bf16 and bf16["tokens_per_s"])
+        row["ratio_to_peft_bnb"] = _ratio(row["tokens_per_s"], twin and twin["tokens_per_s"])
+
+
+def train_targets(rows: list[dict], gen_rows: list[dict]) -> list[C.Check]:
+    checks = []
+    configs = list(dict.fromkeys((r["batch"], r["ckpt"]) for r in rows))
+    for provider, limit in (("fastlora-nf4", 0.97), ("fastlora-nf4-dq", 0.97), ("fastlora-int8", 0.90)):
+        for batch, ckpt in configs:
+            row = _find(rows, provider=provider, batch=batch, ckpt=ckpt)
+            checks.append(C.Check(f"train tokens/s: {provider} / bf16-lora", f"batch {batch}, ckpt {ckpt}",
+                                  row and row.get("ratio_to_bf16"), ">=", limit,
+                                  "double quant (informational)" if provider.endswith("-dq") else ""))
+    for provider, twin in PEFT_TWIN.items():
+        for batch, ckpt in configs:
+            row = _find(rows, provider=provider, batch=batch, ckpt=ckpt)
+            checks.append(C.Check(f"peak memory: {provider} / {twin}", f"batch {batch}, ckpt {ckpt}",
+                                  row and row.get("peak_vs_peft_bnb"), "<=", 1.0))
+    for provider in ("fastlora-nf4", "fastlora-int8"):
+        row = _find(gen_rows, provider=provider)
+        checks.append(C.Check(f"generation tokens/s: {provider} / bf16-lora", "batch 1",
+                              row and row.get("ratio_to_bf16"), ">=", 1.0))
+    return checks
+
+
+def print_reference() -> None:
+    rows = [dict(provider=p, batch=b, ckpt=c, tokens_per_s=t, peak_GiB=g)
+            for (p, b, c), (t, g) in REFERENCE_TRAIN.items()]
+    rows += [dict(provider=p, batch=1, ckpt="generation", tokens_per_s=t) for p, t in REFERENCE_GEN.items()]
+    C.print_table(rows, ["provider", "batch", "ckpt", "tokens_per_s", "peak_GiB"],
+                  "== reference (earlier run): H200, PEFT 0.21, bitsandbytes 0.50.2; context only, not a baseline ==")
+
+
+def print_tables(rows: list[dict], gen_rows: list[dict]) -> None:
+    if rows:
+        C.print_table(sorted(rows, key=lambda r: (r["batch"], r["ckpt"])),
+                      ["batch", "ckpt", "provider", "adapter_dtype", "median_step_ms", "tokens_per_s", "ratio_to_bf16",
+                       "ratio_to_peft_bnb", "peak_GiB", "peak_vs_peft_bnb", "loss", "ref_tokens_per_s",
+                       "ref_peak_GiB", "status"],
+                      "== training step (ratios: this run only; ref_* = reference (earlier run), context only) ==")
+    if gen_rows:
+        C.print_table(gen_rows, ["provider", "new_tokens", "seconds", "tokens_per_s", "ratio_to_bf16",
+                                 "ratio_to_peft_bnb", "ref_tokens_per_s", "status", "error"],
+                      "== greedy generation, batch 1 (ref_tokens_per_s = reference (earlier run), context only) ==")
+
+
+def plot_all(rows: list[dict], gen_rows: list[dict], out: Path, env: dict) -> None:
+    import matplotlib.pyplot as plt
+
+    providers = [p for p in PROVIDERS if any(r.get("provider") == p for r in rows + gen_rows)]
+    configs = list(dict.fromkeys((r["batch"], r["ckpt"]) for r in rows))
+    groups = [f"b{b} ckpt {c}" for b, c in configs]
+    panels = 3 if gen_rows else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
+    seq = rows[0]["seq"] if rows else "?"
+    for ax, column, label, title in (
+        (axes[0][0], "tokens_per_s", "tokens/s (higher is better)", f"training step, seq {seq}: throughput"),
+        (axes[0][1], "peak_GiB", "GiB (lower is better)", f"training step, seq {seq}: peak memory allocated"),
+    ):
+        series = {p: [(_find(rows, provider=p, batch=b, ckpt=c) or {}).get(column) for b, c in configs]
+                  for p in providers}  # fmt: skip
+        C.grouped_bars(ax, groups, series, label, title, colors=COLORS)
+    axes[0][0].legend(fontsize=7)
+    if gen_rows:
+        gen = [p for p in providers if _find(gen_rows, provider=p)]
+        C.grouped_bars(axes[0][2], ["generation"], {p: [_find(gen_rows, provider=p)["tokens_per_s"]] for p in gen},
+                       "new tokens/s", "greedy generation, batch 1", colors=COLORS)
+        axes[0][2].legend(fontsize=7)
+    C.save_figure(fig, out / "train_step.png", env)
+
+
+def finalize(rows, gen_rows, out, env, log=None, gen_log=None, reference=False) -> None:
+    steps = [
+        ("ratios", lambda: derive(rows, gen_rows, reference)),
+        ("csv", lambda: (log.rewrite(rows), gen_log.rewrite(gen_rows)) if log else None),
+        ("tables", lambda: (print_tables(rows, gen_rows), print_reference() if reference else None)),
+        ("targets", lambda: C.write_targets(train_targets(rows, gen_rows), out / "train_targets.csv", env,
+                                            "== targets (end-to-end issue) ==")),
+        ("plots", lambda: plot_all(rows, gen_rows, out, env)),
+    ]
+    for name, step in steps:
+        try:
+            step()
+        except Exception:
+            print(f"!! finalize step {name!r} failed:", flush=True)
+            traceback.print_exc()
+
+
+# ---- main --------------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output directory")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--tiny", action="store_true", help="tiny 2-layer model, seq 32, few steps: CI smoke run")
+    p.add_argument("--quick", action="store_true", help="batch 1 only, 2 warm-up + 3 timed steps")
+    p.add_argument("--providers", help=f"comma-separated subset of {list(PROVIDERS)}")
+    p.add_argument("--batches", help="comma-separated batch sizes (default 1,4; quick 1)")
+    p.add_argument("--ckpt", default="both", choices=["both", "off", "on"], help="gradient checkpointing")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; tiny 32)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 8)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="default 3 (quick 2, tiny 1)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 5; quick 3, tiny 2)")
+    p.add_argument("--gen-tokens", type=int, default=None, help="new tokens for generation (default 128; tiny 8)")
+    p.add_argument("--prompt-len", type=int, default=None, help="generation prompt length (default 32; tiny 4)")
+    p.add_argument("--gen-providers", default=",".join(GEN_PROVIDERS), help="providers to time generation for")
+    p.add_argument("--no-gen", action="store_true", help="skip generation")
+    p.add_argument("--lora-dropout", type=float, default=0.0)
+    p.add_argument("--adapter-dtype", default="default", choices=["default", "bf16"],
+                   help="default: what get_peft_model gives (PEFT upcasts its adapters to fp32, FastLoRA follows "
+                        "its adapter_dtype policy: bf16 here); bf16: bf16 adapters for every provider")
+    p.add_argument("--profile", help="comma-separated providers to profile one training step of (top-20 kernels)")
+    p.add_argument("--profile-batch", type=int, default=1)
+    p.add_argument("--profile-ckpt", default="off", choices=["off", "on"])
+    p.add_argument("--model-dir", type=Path, help="where the random model is saved (reused if it holds one)")
+    p.add_argument("--keep-model", action="store_true", help="do not delete --model-dir at the end")
+    p.add_argument("--budget-s", type=float, default=None, help="soft time budget: later work is recorded as skipped")
+    p.add_argument("--replot", action="store_true", help="only re-read the CSVs in --out and redo tables/targets/plots")
+    p.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
+    return p
+
+
+def _defaults(args) -> None:
+    tiny, quick = args.tiny, args.quick
+    args.seq = args.seq or (32 if tiny else 2048)
+    args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else (1 if tiny else 2 if quick else 3)
+    args.steps = args.steps or (2 if tiny else 3 if quick else 5)
+    args.gen_tokens = args.gen_tokens or (8 if tiny else 128)
+    args.prompt_len = args.prompt_len or (4 if tiny else 32)
+    batches = C.parse_csv_arg(args.batches)
+    args.batches = [int(b) for b in batches] if batches else ([1, 2] if tiny else [1] if quick else [1, 4])
+    args.ckpts = {"both": ["off", "on"], "off": ["off"], "on": ["on"]}[args.ckpt]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        rows, gen_rows = C.read_csv(out / "train_step.csv"), C.read_csv(out / "generation.csv")
+        finalize(rows, gen_rows, out, C.read_csv_header(out / "train_step.csv"))
+        return 0
+    _defaults(args)
+    device = C.pick_device(args.device)
+    providers = C.parse_csv_arg(args.providers) or list(PROVIDERS)
+    profile = C.parse_csv_arg(args.profile) or []
+    gen_providers = [] if args.no_gen else C.parse_csv_arg(args.gen_providers)
+    unknown = [p for p in providers + profile + gen_providers if p not in PROVIDERS]
+    if unknown:
+        raise SystemExit(f"unknown provider(s) {unknown}; choose from {list(PROVIDERS)}")
+    providers = [p for p in PROVIDERS if p in providers or p in profile]
+
+    import bitsandbytes  # noqa: F401  (import everything before gc.freeze)
+    import peft  # noqa: F401
+    import transformers
+    from tqdm.auto import tqdm
+
+    import peft_fastlora  # noqa: F401
+
+    C.setup_run()
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars would bury the table in the log
+    shape = dict(TINY if args.tiny else LLAMA3_8B_8_LAYERS)
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    # The earlier run's numbers are printed for context only, and only next to a run of the same configuration.
+    reference = shape == LLAMA3_8B_8_LAYERS and args.seq == 2048 and args.adapter_dtype == "default"
+    config = transformers.LlamaConfig(**shape)
+    config.dtype = torch.bfloat16
+    env = C.env_info(device)
+    env["run"] = (f"bench_train_step model={shape} seq={args.seq} batches={args.batches} ckpt={args.ckpts} "
+                  f"providers={providers} r={RANK} all-linear dropout={args.lora_dropout} "
+                  f"adapters={args.adapter_dtype} "
+                  f"warmup_steps={args.warmup_steps} steps={args.steps} gen={gen_providers} "
+                  f"gen_tokens={args.gen_tokens}")  # fmt: skip
+    C.print_header("bench_train_step: Llama-3-8B-shaped model, LoRA training + generation (ratios within THIS run)",
+                   env)  # fmt: skip
+    log = C.CsvLog(out / "train_step.csv", TRAIN_COLUMNS, env)
+    gen_log = C.CsvLog(out / "generation.csv", GEN_COLUMNS, env)
+    setup_log = C.CsvLog(out / "setup.csv", SETUP_COLUMNS, env)
+    rows: list[dict] = []
+    gen_rows: list[dict] = []
+    deadline = C.Deadline(args.budget_s)
+    configs = [(b, c) for b in args.batches for c in args.ckpts]
+    train_providers = [p for p in providers if p in (C.parse_csv_arg(args.providers) or PROVIDERS)]
+    total = len(train_providers) * len(configs) * (args.warmup_steps + args.steps)
+    progress = tqdm(total=total, desc="train steps", unit="step", file=sys.stderr,
+                    mininterval=2.0 if sys.stderr.isatty() else 20.0)  # a log file gets a line every 20 s
+
+    def note(step, provider, seconds, text=""):
+        row = dict(step=step, provider=provider, seconds=seconds, note=text)
+        setup_log.append(row)
+        progress.write(f"  {step} {provider}: {C.fmt(seconds)} s {text}")
+
+    def record_train(row):
+        derive(rows + [row], [], reference)
+        rows.append(row)
+        log.append(row)
+        progress.write(f"  train {row['provider']:16s} batch {row['batch']} ckpt {row['ckpt']:3s} "
+                       f"{C.fmt(row.get('tokens_per_s'), 4):>8} tok/s  {C.fmt(row.get('peak_GiB'))} GiB  "
+                       f"x{C.fmt(row.get('ratio_to_bf16'))} bf16  {row['status']} {row.get('error') or ''}")
+
+    def record_gen(row):
+        derive([], gen_rows + [row], reference)
+        gen_rows.append(row)
+        gen_log.append(row)
+        progress.write(f"  generate {row['provider']:16s} {C.fmt(row.get('tokens_per_s'), 4)} tok/s  "
+                       f"x{C.fmt(row.get('ratio_to_bf16'))} bf16  {row['status']} {row.get('error') or ''}")
+
+    model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="fastlora-bench-model-"))
+    temporary = args.model_dir is None and not args.keep_model
+    built: dict = {}  # {"model": the bf16 model just built}, handed to the bf16-lora provider
+
+    def fail_provider(provider: str, base_row: dict, status: str, error: str) -> None:
+        """Records every remaining row of ``provider`` (training configs and generation) as failed or skipped."""
+        done = {(r["batch"], r["ckpt"]) for r in rows if r["provider"] == provider}
+        for batch, ckpt in configs if provider in train_providers else []:
+            if (batch, ckpt) not in done:
+                record_train(dict(base_row, batch=batch, ckpt=ckpt, status=status, error=error))
+                progress.update(args.warmup_steps + args.steps)
+        if provider in gen_providers and not any(r["provider"] == provider for r in gen_rows):
+            record_gen(dict(base_row, status=status, error=error))
+
+    def run_provider(provider: str, base_row: dict) -> None:
+        quant, _ = PROVIDERS[provider]
+        start = time.perf_counter()
+        reused = quant is None and "model" in built
+        model = built.pop("model") if reused else load_model(model_dir, quant, device)
+        load_s = time.perf_counter() - start
+        note("load", provider, load_s, "(the model just built, in memory)" if reused else "(from_pretrained)")
+        model, n_fast = wrap(model, provider, args)
+        C.free_memory(device)
+        resident = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        base_row.update(load_s=load_s, fastlora_layers=n_fast, adapter_dtype=adapter_dtypes(model),
+                        resident_GiB=resident)  # fmt: skip
+        for batch, ckpt in configs if provider in train_providers else []:
+            row = dict(base_row, batch=batch, ckpt=ckpt)
+            if deadline.expired():
+                row.update(status="skipped", error="time budget")
+                progress.update(args.warmup_steps + args.steps)
+            else:
+                progress.set_postfix_str(f"{provider} b{batch} ckpt {ckpt}")
+                try:
+                    row.update(run_training(model, batch, ckpt == "on", args, device, config.vocab_size, progress),
+                               status="ok")  # fmt: skip
+                except Exception as err:
+                    if args.verbose:
+                        traceback.print_exc()
+                    row.update(status="oom" if C.is_oom(err) else "error", error=C.short_error(err))
+                C.free_memory(device)
+            record_train(row)
+        if provider in profile and not deadline.expired():
+            try:
+                path = run_profile(model, provider, args.profile_batch, args.profile_ckpt == "on", args, device,
+                                   config.vocab_size, out)  # fmt: skip
+                progress.write(f"  wrote {path}")
+            except Exception as err:
+                progress.write(f"  !! profile {provider} failed: {C.short_error(err)}")
+            C.free_memory(device)
+        if provider in gen_providers:
+            row = dict(base_row)
+            if deadline.expired():
+                row.update(status="skipped", error="time budget")
+            else:
+                try:
+                    row.update(run_generation(model, args, device, config.vocab_size), status="ok")
+                except Exception as err:
+                    if args.verbose:
+                        traceback.print_exc()
+                    row.update(status="oom" if C.is_oom(err) else "error", error=C.short_error(err))
+            record_gen(row)
+
+    interrupted = False
+    try:
+        setup_error = None
+        if not (model_dir / "config.json").exists():
+            try:
+                built["model"], build_s, save_s = build_and_save(config, device, model_dir)
+                size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**30
+                note("build", "bf16 model", build_s, f"(random init on {device})")
+                note("save_pretrained", "bf16 model", save_s, f"({size:.2f} GiB to {model_dir})")
+            except Exception as err:
+                if args.verbose:
+                    traceback.print_exc()
+                setup_error = "build/save model: " + C.short_error(err)
+            if "bf16-lora" not in providers:  # else it would stay resident and inflate everyone's peak memory
+                built.clear()
+                C.free_memory(device)
+        for provider in providers:
+            quant, tuner = PROVIDERS[provider]
+            base_row = dict(provider=provider, quant=quant or "bf16", tuner=tuner, seq=args.seq,
+                            warmup_steps=args.warmup_steps, steps=args.steps)  # fmt: skip
+            if setup_error or deadline.expired():
+                fail_provider(provider, base_row, "error" if setup_error else "skipped", setup_error or "time budget")
+                continue
+            try:
+                run_provider(provider, base_row)
+            except Exception as err:  # load or wrap failed (or anything else): its rows are errors, the run goes on
+                if args.verbose:
+                    traceback.print_exc()
+                fail_provider(provider, base_row, "oom" if C.is_oom(err) else "error", C.short_error(err))
+            built.clear()
+            C.free_memory(device)
+    except KeyboardInterrupt:
+        interrupted = True
+        progress.write("\n!! interrupted: writing what was measured so far")
+    finally:
+        progress.close()
+        built.clear()
+        if temporary:
+            shutil.rmtree(model_dir, ignore_errors=True)
+    finalize(rows, gen_rows, out, env, log, gen_log, reference)
+    print(f"\nbench_train_step {'interrupted' if interrupted else 'done'} after {deadline.elapsed():.0f} s; "
+          f"results in {out}", flush=True)
+    return 130 if interrupted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

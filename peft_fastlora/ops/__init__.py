@@ -1,0 +1,127 @@
+"""Kernels behind FastLoRA layers, and the one place that picks which implementation runs.
+
+Dispatch of [`fastlora_linear`]:
+
+- autocast on: ``x`` (and ``lora_x``) are cast to the autocast dtype first, as ``nn.Linear`` would be, and the op runs
+  with autocast off;
+- tensors not on CUDA: the pure-torch reference (plain autograd), unless ``PEFT_FASTLORA_FORCE_TRITON=1`` (tests run
+  the Triton path under the interpreter that way);
+- no grad needed and at most ``SMALL_M_MAX`` rows: the fused small-M decode kernel;
+- otherwise: [`LoraLinearFunction`] (dequantize + cuBLAS, W not saved for backward).
+
+Under ``torch.compile`` the Triton paths go through the ``torch.ops.peft_fastlora`` custom ops instead, so that
+``fullgraph=True`` holds; eagerly they are called directly, which keeps the per-call overhead to plain Python.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from . import custom_ops
+from .lora_linear import LoraLinearFunction, check_lora_linear_args, dequantize_kernel
+from .quant_state import Int8Rowwise, Packed4bit, QuantizedWeight
+from .reference import dequantize_ref, lora_linear_ref
+
+__all__ = [
+    "Int8Rowwise",
+    "LoraLinearFunction",
+    "Packed4bit",
+    "QuantizedWeight",
+    "dequantize",
+    "fastlora_linear",
+    "small_m_max",
+]
+
+FORCE_TRITON_ENV = "PEFT_FASTLORA_FORCE_TRITON"
+
+
+def _force_triton() -> bool:
+    return os.environ.get(FORCE_TRITON_ENV, "0") == "1"
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or _force_triton()
+
+
+def small_m_max() -> int:
+    """Largest number of rows (tokens) that the fused small-M kernel takes when no grad is needed."""
+    from .fused_small_m import SMALL_M_MAX  # imports Triton: only on the Triton paths
+
+    return SMALL_M_MAX
+
+
+def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantizes a [`Packed4bit`] or [`Int8Rowwise`] weight to ``dtype``: Triton on CUDA, the reference elsewhere.
+
+    Args:
+        weight: The quantized weight, shape ``(out_features, in_features)``.
+        dtype (`torch.dtype`): Output dtype (fp16, bf16 or fp32).
+    """
+    if not isinstance(weight, (Packed4bit, Int8Rowwise)):
+        raise TypeError(f"`weight` must be a Packed4bit or Int8Rowwise, got {type(weight).__name__}.")
+    if not (weight.device.type == "cuda" or _force_triton()):
+        return dequantize_ref(weight, dtype)
+    if torch.compiler.is_compiling():
+        return custom_ops.dequantize_op(dtype, *custom_ops.flatten_weight(weight))
+    return dequantize_kernel(weight, dtype)
+
+
+def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _dispatch(x, weight, bias, lora_a, lora_b, scaling, lora_x):
+    check_lora_linear_args(x, weight, bias, lora_a, lora_b, lora_x)
+    if not _use_triton(x):
+        return lora_linear_ref(x, weight, bias, lora_a, lora_b, scaling, lora_x)
+    if lora_a is None or lora_x is x:
+        lora_x = None  # the LoRA branch reads x; its grad then goes straight into dx
+    elif lora_x is not None and lora_x.dtype != x.dtype:
+        lora_x = lora_x.to(x.dtype)
+    scaling = float(scaling)
+    compiling = torch.compiler.is_compiling()
+    if not _needs_grad(x, lora_x, lora_a, lora_b, bias) and x.numel() <= small_m_max() * x.shape[-1]:
+        if compiling:
+            fields = custom_ops.flatten_weight(weight)
+            return custom_ops.lora_linear_small_m_op(x, bias, lora_a, lora_b, lora_x, scaling, *fields)
+        return custom_ops.fused_small_m_kernel()(x, weight, bias, lora_a, lora_b, scaling, lora_x)
+    if compiling:
+        fields = custom_ops.flatten_weight(weight)
+        return custom_ops.lora_linear_op(x, bias, lora_a, lora_b, lora_x, scaling, *fields)[0]
+    return LoraLinearFunction.apply(x, weight, bias, lora_a, lora_b, scaling, lora_x)
+
+
+def fastlora_linear(
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: Optional[torch.Tensor],
+    lora_a: Optional[torch.Tensor],
+    lora_b: Optional[torch.Tensor],
+    scaling: float,
+    lora_x: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``y = x @ dequant(W).T (+ bias) + scaling * (lora_x @ A.T) @ B.T`` with ``y.dtype == x.dtype``.
+
+    Same signature and semantics as [`~peft_fastlora.ops.reference.lora_linear_ref`]; picks the implementation
+    (see the module docstring). Grads of fp32 adapters used with fp16/bf16 activations come back in fp32.
+
+    Args:
+        x (`torch.Tensor`): Activations ``(..., in_features)`` in fp16, bf16 or fp32; W is dequantized to this dtype.
+        weight: The quantized base weight ``(out_features, in_features)``, on ``x``'s device.
+        bias (`torch.Tensor`, *optional*): ``(out_features,)``.
+        lora_a (`torch.Tensor`, *optional*): ``(r, in_features)``; with ``lora_b`` ``(out_features, r)``. ``None``
+            skips the LoRA term.
+        scaling (`float`): LoRA scaling (``alpha / r``).
+        lora_x (`torch.Tensor`, *optional*): Input of the LoRA branch (e.g. after dropout); defaults to ``x``.
+    """
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        lora_x = None if lora_x is None or lora_x is x else lora_x.to(dtype)
+        x = x.to(dtype)
+        with torch.autocast(device_type, enabled=False):
+            return _dispatch(x, weight, bias, lora_a, lora_b, scaling, lora_x)
+    return _dispatch(x, weight, bias, lora_a, lora_b, scaling, lora_x)

@@ -1,0 +1,573 @@
+"""Fused quantized linear + LoRA for a handful of rows (decoding): ``y = x @ W.T + b + s * (x_lora @ A.T) @ B.T``.
+
+For M <= ~16 rows the cost is reading W, so one kernel streams the packed 4-bit (or int8) weight once, dequantizes
+it in registers and never writes it back. Each program owns ``BLOCK_N`` output features of ``BLOCK_M`` rows and a
+``K / SPLIT_K`` slice of the reduction:
+
+    M == 1  CUDA cores: acc[n] += sum_k W_tile[n, k] * x[k] in fp32 (tensor cores would idle 15/16 of the MMA).
+    M > 1   tensor cores on the swapped product: acc (BLOCK_N, BLOCK_M) += W_tile (BLOCK_N, BLOCK_K) @ x_tile.T,
+            so the tiny M only has to fill the 16-wide side of the MMA.
+
+The reads of the next tile (codes, scales, x) are issued before the current one is decoded (software prefetch), so
+each program keeps two tiles of DRAM reads in flight without spending registers on decoded values.
+
+With ``SPLIT_K > 1`` every program stores its fp32 partial sums in a workspace and bumps a per-tile counter; the
+program that arrives last adds the partials in split order (deterministic) and runs the epilogue: bias, the LoRA
+up-projection ``(x_lora @ A.T) @ B.T`` (the tiny ``x_lora @ A.T`` is a torch matmul made before the launch) and the
+cast to ``x.dtype``. No host syncs and data-independent allocations, so it can be captured in a CUDA graph.
+
+Numerics follow ``reference.lora_linear_ref``: W is dequantized exactly as ``dequantize_4bit`` does and rounded to
+``x.dtype`` before the multiply; sums are fp32 (in a different order than torch, hence the test tolerances).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .dequant import (
+    _INV_127,
+    SUPPORTED_DTYPES,
+    _decode_absmax,
+    _decode_nibbles,
+    _is_interpreted,
+    _launch_context,
+    _nested_args,
+    _round_to,
+    check_int8,
+    check_packed4bit,
+)
+from .quant_state import Int8Rowwise, Packed4bit, QuantizedWeight
+
+# Largest number of rows this path is meant for; the dispatcher (not this file) decides when to use it.
+SMALL_M_MAX = 16
+
+# How the kernel reads W. ALIGNED: 4-bit with rows made of whole absmax blocks (K % blocksize == 0, every real
+# model), loaded as (BLOCK_N, sub-blocks, bytes) so one scale serves a run of bytes. ANY: 4-bit of any shape, one
+# gather per element. INT8: row-scaled int8.
+_KIND_4BIT_ALIGNED, _KIND_4BIT_ANY, _KIND_INT8 = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class SmallMConfig:
+    """Tiling of one launch. ``use_dot``: tensor-core path (``BLOCK_M = 16``) instead of FMAs (``BLOCK_M = 1``)."""
+
+    use_dot: bool
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    # 1 = no software pipelining: with more stages Triton's pipeliner also routes the per-element code-table
+    # gathers through shared memory (cp.async), which costs more than the latency it hides here.
+    num_stages: int = 1
+
+
+@triton.jit
+def _load_weight_raw(
+    w_ptr,
+    absmax_ptr,  # 4-bit: fp32 scales or uint8 codes (NESTED); int8: fp32 row scales (scb)
+    offs_n,  # (BLOCK_N,) output features
+    k0,  # first input feature of the tile
+    k_end,  # end of this program's K range: reads stop there, so a prefetch past it costs nothing
+    N,
+    K,
+    stride_wn,  # bytes (4-bit) or elements (int8) per weight row
+    WEIGHT_KIND: tl.constexpr,
+    BLOCKSIZE: tl.constexpr,
+    SUB: tl.constexpr,  # ALIGNED: elements per sub-block = min(BLOCKSIZE, BLOCK_K), all under one scale
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The DRAM reads of the tile W[offs_n, k0 : k0 + BLOCK_K]: (stored codes, stored scales), not yet decoded."""
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    if WEIGHT_KIND == 0:
+        sub_start = k0 + tl.arange(0, BLOCK_K // SUB) * SUB  # (NB,) first element of each sub-block
+        byte_in_row = (sub_start // 2)[:, None] + tl.arange(0, SUB // 2)[None, :]  # (NB, SUB/2)
+        mask = mask_n[:, None, None] & (byte_in_row < k_end // 2)[None, :, :]
+        packed = tl.load(w_ptr + rows[:, None, None] * stride_wn + byte_in_row[None, :, :], mask=mask, other=0)
+        block_idx = rows[:, None] * (K // BLOCKSIZE) + (sub_start // BLOCKSIZE)[None, :]  # (BLOCK_N, NB)
+        raw_scale = tl.load(absmax_ptr + block_idx, mask=mask_n[:, None] & (sub_start < k_end)[None, :], other=0)
+    elif WEIGHT_KIND == 1:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = mask_n[:, None] & (offs_k < k_end)[None, :]
+        idx = rows[:, None] * K + offs_k[None, :]  # element index in the flattened weight
+        packed = tl.load(w_ptr + idx // 2, mask=mask, other=0)
+        raw_scale = tl.load(absmax_ptr + idx // BLOCKSIZE, mask=mask, other=0)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = mask_n[:, None] & (offs_k < k_end)[None, :]
+        packed = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0)
+        raw_scale = tl.load(absmax_ptr + offs_n, mask=mask_n, other=0.0)
+    return packed, raw_scale
+
+
+@triton.jit
+def _decode_weight_tile(
+    packed,
+    raw_scale,
+    code_ptr,
+    nested_code_ptr,
+    nested_absmax_ptr,
+    offset_ptr,
+    offs_n,
+    k0,
+    k_end,
+    N,
+    K,
+    WEIGHT_KIND: tl.constexpr,
+    BLOCKSIZE: tl.constexpr,
+    NESTED: tl.constexpr,
+    NESTED_BLOCKSIZE: tl.constexpr,
+    SUB: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DTYPE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """The (BLOCK_N, BLOCK_K) tile from ``_load_weight_raw``, dequantized exactly and rounded to ``DTYPE``."""
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    if WEIGHT_KIND == 0:
+        sub_start = k0 + tl.arange(0, BLOCK_K // SUB) * SUB
+        block_idx = rows[:, None] * (K // BLOCKSIZE) + (sub_start // BLOCKSIZE)[None, :]
+        scale_mask = mask_n[:, None] & (sub_start < k_end)[None, :]
+        scale = _decode_absmax(
+            raw_scale, block_idx, scale_mask, nested_code_ptr, nested_absmax_ptr, offset_ptr, NESTED, NESTED_BLOCKSIZE
+        )[:, :, None]
+        high, low = _decode_nibbles(packed, code_ptr)
+        w = tl.interleave(_round_to(high * scale, DTYPE, INTERPRET), _round_to(low * scale, DTYPE, INTERPRET))
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K))  # (BLOCK_N, NB, SUB) -> (BLOCK_N, BLOCK_K)
+    elif WEIGHT_KIND == 1:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = mask_n[:, None] & (offs_k < k_end)[None, :]
+        idx = rows[:, None] * K + offs_k[None, :]
+        shift = (4 - (idx % 2) * 4).to(tl.int32)  # even element: high nibble
+        value = tl.load(code_ptr + ((packed.to(tl.int32) >> shift) & 0xF))
+        scale = _decode_absmax(
+            raw_scale, idx // BLOCKSIZE, mask, nested_code_ptr, nested_absmax_ptr, offset_ptr, NESTED, NESTED_BLOCKSIZE
+        )
+        w = _round_to(value * scale, DTYPE, INTERPRET)
+    else:
+        w = _round_to(packed.to(tl.float32) * raw_scale[:, None] * _INV_127, DTYPE, INTERPRET)
+    return w
+
+
+@triton.jit
+def _load_x_tile(x_ptr, offs_m, k0, k_end, M, stride_xm, USE_DOT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[offs_m, k0 : k0 + BLOCK_K]: transposed (BLOCK_K, BLOCK_M) for the MMA, or the single row as (1, BLOCK_K)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    if USE_DOT:
+        ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]
+        tile = tl.load(ptrs, mask=(offs_k < k_end)[:, None] & (offs_m < M)[None, :], other=0.0)
+    else:  # BLOCK_M == 1; 2-D so it lands in the layout of the weight tile without a shuffle
+        tile = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=(offs_k < k_end)[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def _epilogue(
+    acc,  # (BLOCK_N, BLOCK_M) fp32: (x @ W.T).T for this tile
+    offs_n,
+    offs_m,
+    M,
+    N,
+    R,
+    scaling,
+    bias_ptr,
+    xa_ptr,  # (M, R) x_lora @ A.T, adapter dtype
+    lora_b_ptr,  # (N, R)
+    out_ptr,  # (M, N)
+    stride_xam,
+    stride_bn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    LORA_DOT_FP32: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """out[m, n] = acc + bias (rounded to x.dtype) + scaling * xa[m] @ B[n] (fp32), stored in x.dtype."""
+    out_ty = out_ptr.dtype.element_ty
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        acc += _round_to(bias, out_ty, INTERPRET).to(tl.float32)[:, None]
+    if HAS_LORA:
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < R
+        b_ptrs = lora_b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :]
+        b = tl.load(b_ptrs, mask=mask_n[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_N, BLOCK_R)
+        if USE_DOT:
+            xa_ptrs = xa_ptr + offs_m[None, :] * stride_xam + offs_r[:, None]
+            xa_t = tl.load(xa_ptrs, mask=mask_r[:, None] & mask_m[None, :], other=0.0)  # (BLOCK_R, BLOCK_M)
+            b = b.to(xa_t.dtype)  # the reference casts B to the adapter (A) dtype
+            if LORA_DOT_FP32:
+                lora = tl.dot(b.to(tl.float32), xa_t.to(tl.float32), input_precision="ieee")
+            else:
+                lora = tl.dot(b, xa_t)
+        else:
+            xa_ptrs = xa_ptr + offs_m[:, None] * stride_xam + offs_r[None, :]
+            xa = tl.load(xa_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)  # (1, BLOCK_R)
+            b = b.to(xa.dtype)
+            lora = tl.sum(b.to(tl.float32) * xa.to(tl.float32), axis=1)[:, None]
+        acc += lora * scaling
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, _round_to(acc, out_ty, INTERPRET), mask=mask_n[:, None] & mask_m[None, :])
+
+
+@triton.jit
+def _fused_small_m_kernel(
+    x_ptr,  # (M, K), unit stride along K
+    w_ptr,  # packed uint8 bytes (4-bit) or int8 (N, K)
+    absmax_ptr,
+    code_ptr,
+    nested_code_ptr,
+    nested_absmax_ptr,
+    offset_ptr,
+    bias_ptr,  # (N,)
+    xa_ptr,  # (M, R)
+    lora_b_ptr,  # (N, R)
+    out_ptr,  # (M, N) in x.dtype
+    partial_ptr,  # (SPLIT_K, M, N) fp32 workspace (SPLIT_K > 1)
+    arrivals_ptr,  # (tiles,) int32 zeros (SPLIT_K > 1)
+    M,
+    N,
+    K,
+    R,
+    scaling,
+    stride_xm,
+    stride_wn,
+    stride_xam,
+    stride_bn,
+    stride_om,
+    k_per_split,  # multiple of BLOCK_K
+    WEIGHT_KIND: tl.constexpr,
+    BLOCKSIZE: tl.constexpr,
+    NESTED: tl.constexpr,
+    NESTED_BLOCKSIZE: tl.constexpr,
+    SUB: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # fp32 inputs: exact fp32 dot (also the interpreter, whose bf16 dot is broken)
+    LORA_DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    x_ty = x_ptr.dtype.element_ty
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+
+    # Software prefetch: the reads of tile i + 1 (weight codes, scales, x) are issued before tile i is decoded and
+    # multiplied. (Triton's own pipeliner, num_stages > 1, would also stage the per-element code-table gathers
+    # through shared memory.) A prefetch past k_end is fully masked and reads nothing.
+    packed, raw_scale = _load_weight_raw(
+        w_ptr, absmax_ptr, offs_n, k_start, k_end, N, K, stride_wn, WEIGHT_KIND, BLOCKSIZE, SUB, BLOCK_N, BLOCK_K
+    )
+    x_tile = _load_x_tile(x_ptr, offs_m, k_start, k_end, M, stride_xm, USE_DOT, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        w = _decode_weight_tile(
+            packed,
+            raw_scale,
+            code_ptr,
+            nested_code_ptr,
+            nested_absmax_ptr,
+            offset_ptr,
+            offs_n,
+            k0,
+            k_end,
+            N,
+            K,
+            WEIGHT_KIND,
+            BLOCKSIZE,
+            NESTED,
+            NESTED_BLOCKSIZE,
+            SUB,
+            BLOCK_N,
+            BLOCK_K,
+            x_ty,
+            INTERPRET,
+        )
+        x_cur = x_tile
+        packed, raw_scale = _load_weight_raw(
+            w_ptr,
+            absmax_ptr,
+            offs_n,
+            k0 + BLOCK_K,
+            k_end,
+            N,
+            K,
+            stride_wn,
+            WEIGHT_KIND,
+            BLOCKSIZE,
+            SUB,
+            BLOCK_N,
+            BLOCK_K,
+        )
+        x_tile = _load_x_tile(x_ptr, offs_m, k0 + BLOCK_K, k_end, M, stride_xm, USE_DOT, BLOCK_K)
+        if USE_DOT:  # x_cur: (BLOCK_K, BLOCK_M)
+            if DOT_FP32:
+                acc = tl.dot(w.to(tl.float32), x_cur.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, x_cur, acc)
+        else:  # x_cur: (1, BLOCK_K). Reduced every tile: (BLOCK_N, BLOCK_K) partial sums would cost registers.
+            acc += tl.sum(w.to(tl.float32) * x_cur.to(tl.float32), axis=1)[:, None]
+
+    if SPLIT_K == 1:
+        _epilogue(
+            acc,
+            offs_n,
+            offs_m,
+            M,
+            N,
+            R,
+            scaling,
+            bias_ptr,
+            xa_ptr,
+            lora_b_ptr,
+            out_ptr,
+            stride_xam,
+            stride_bn,
+            stride_om,
+            HAS_BIAS,
+            HAS_LORA,
+            USE_DOT,
+            LORA_DOT_FP32,
+            BLOCK_R,
+            INTERPRET,
+        )
+    else:
+        tile_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+        tile_offs = offs_m[None, :] * N + offs_n[:, None]
+        tl.store(partial_ptr + pid_k * M * N + tile_offs, acc, mask=tile_mask)
+        # Every thread's partial is written before one thread publishes the arrival (release, GPU scope)...
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + pid_m * tl.num_programs(0) + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            # ...and the last program to arrive (acquire) sums all partials in split order, read from L2 (.cg).
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(partial_ptr + s * M * N + tile_offs, mask=tile_mask, other=0.0, cache_modifier=".cg")
+            _epilogue(
+                total,
+                offs_n,
+                offs_m,
+                M,
+                N,
+                R,
+                scaling,
+                bias_ptr,
+                xa_ptr,
+                lora_b_ptr,
+                out_ptr,
+                stride_xam,
+                stride_bn,
+                stride_om,
+                HAS_BIAS,
+                HAS_LORA,
+                USE_DOT,
+                LORA_DOT_FP32,
+                BLOCK_R,
+                INTERPRET,
+            )
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def pick_config(m: int, n: int, k: int, device: torch.device) -> SmallMConfig:
+    """Default tiling: FMAs for one row, tensor cores otherwise; K is split until there are ~6 programs per SM.
+
+    The tiles keep registers below ~100 per thread so that several programs share an SM: with the prefetch, the
+    bytes in flight (what bounds a weight-streaming kernel) grow with the number of resident programs.
+    """
+    if m == 1:
+        block_m, block_n, block_k = 1, 8, 512
+    else:
+        block_m, block_n, block_k = 16, 32, 128
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    if device.type != "cuda":  # the interpreter: fewest programs is fastest
+        return SmallMConfig(use_dot=m > 1, block_n=min(block_n, max(16, triton.next_power_of_2(n))), block_k=block_k)
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    k_tiles = triton.cdiv(k, block_k)
+    split_k = max(1, min(triton.cdiv(6 * _sm_count(device.index or 0), tiles), k_tiles, 16))
+    return SmallMConfig(use_dot=m > 1, block_n=block_n, block_k=block_k, split_k=split_k)
+
+
+def _check_inputs(x, weight, bias, lora_a, lora_b, lora_x) -> None:
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"`x` must have dtype in {SUPPORTED_DTYPES}, got {x.dtype!r}; cast the activations first.")
+    n, k = weight.shape
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(
+            f"`x` must have shape (..., {k}) to match the weight {tuple(weight.shape)}, got {tuple(x.shape)}."
+        )
+    device = weight.device
+    for name, t in (("x", x), ("bias", bias), ("lora_a", lora_a), ("lora_b", lora_b), ("lora_x", lora_x)):
+        if t is not None and t.device != device:
+            raise ValueError(f"`{name}` is on {t.device} but the weight is on {device}; move it to {device}.")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"`bias` must have shape ({n},), got {tuple(bias.shape)}.")
+    if (lora_a is None) != (lora_b is None):
+        raise ValueError("`lora_a` and `lora_b` must be given together (or both be None to skip the LoRA term).")
+    if lora_a is not None:
+        r = lora_a.shape[0]
+        if lora_a.dim() != 2 or lora_a.shape[1] != k:
+            raise ValueError(f"`lora_a` must have shape (r, {k}), got {tuple(lora_a.shape)}.")
+        if tuple(lora_b.shape) != (n, r):
+            raise ValueError(f"`lora_b` must have shape ({n}, {r}) to match `lora_a`, got {tuple(lora_b.shape)}.")
+        if lora_a.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"`lora_a` must have dtype in {SUPPORTED_DTYPES}, got {lora_a.dtype!r}.")
+    if lora_x is not None and lora_x.shape != x.shape:
+        raise ValueError(f"`lora_x` must have the shape of `x` {tuple(x.shape)}, got {tuple(lora_x.shape)}.")
+
+
+def _weight_args(weight: QuantizedWeight, block_k: int) -> tuple[tuple, dict]:
+    """Kernel pointer arguments and constexprs describing ``weight``."""
+    if isinstance(weight, Int8Rowwise):
+        check_int8(weight)
+        cb = weight.cb
+        meta = dict(WEIGHT_KIND=_KIND_INT8, BLOCKSIZE=1, NESTED=False, NESTED_BLOCKSIZE=1, SUB=block_k)
+        return (cb, weight.scb, weight.scb, weight.scb, weight.scb, weight.scb, cb.stride(0)), meta
+    if not isinstance(weight, Packed4bit):
+        raise TypeError(f"`weight` must be a Packed4bit or Int8Rowwise, got {type(weight).__name__}.")
+    data = check_packed4bit(weight)
+    k, bs = weight.shape[1], weight.blocksize
+    kind = _KIND_4BIT_ALIGNED if k % bs == 0 else _KIND_4BIT_ANY
+    nested_code, nested_absmax, offset, nested_bs = _nested_args(weight)
+    meta = dict(WEIGHT_KIND=kind, BLOCKSIZE=bs, NESTED=weight.nested, NESTED_BLOCKSIZE=nested_bs, SUB=min(bs, block_k))
+    return (data, weight.absmax, weight.code, nested_code, nested_absmax, offset, k // 2), meta
+
+
+def _launch(
+    x2d: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: Optional[torch.Tensor],
+    xa: Optional[torch.Tensor],
+    lora_b: Optional[torch.Tensor],
+    scaling: float,
+    config: SmallMConfig,
+) -> torch.Tensor:
+    """Runs the kernel on (M, K) rows with an explicit tiling; ``xa = x_lora @ A.T`` already computed."""
+    m, k = x2d.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
+    if m == 0:
+        return out
+    block_m = 16 if config.use_dot else 1
+    block_n, block_k = config.block_n, config.block_k
+    k_per_split = triton.cdiv(triton.cdiv(k, block_k), config.split_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)  # no empty splits
+    grid = (triton.cdiv(n, block_n), split_k, triton.cdiv(m, block_m))
+    if split_k > 1:
+        partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x2d.device)
+        arrivals = torch.zeros(grid[0] * grid[2], dtype=torch.int32, device=x2d.device)
+    else:
+        partial = arrivals = out
+    w_args, w_meta = _weight_args(weight, block_k)
+    has_lora = xa is not None
+    r = xa.shape[1] if has_lora else 0
+    interpret = _is_interpreted(_fused_small_m_kernel)
+    with _launch_context(x2d.device):
+        _fused_small_m_kernel[grid](
+            x2d,
+            *w_args[:6],
+            bias if bias is not None else out,
+            xa if has_lora else out,
+            lora_b if has_lora else out,
+            out,
+            partial,
+            arrivals,
+            m,
+            n,
+            k,
+            r,
+            float(scaling),
+            x2d.stride(0),
+            w_args[6],
+            xa.stride(0) if has_lora else 0,
+            lora_b.stride(0) if has_lora else 0,
+            out.stride(0),
+            k_per_split,
+            **w_meta,
+            HAS_BIAS=bias is not None,
+            HAS_LORA=has_lora,
+            USE_DOT=config.use_dot,
+            DOT_FP32=interpret or x2d.dtype == torch.float32,
+            LORA_DOT_FP32=interpret or (has_lora and xa.dtype == torch.float32),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            BLOCK_R=max(16, triton.next_power_of_2(r)),
+            SPLIT_K=split_k,
+            INTERPRET=interpret,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+            enable_fp_fusion=False,  # W must be dequantized exactly (no FMA in the nested scale decode)
+        )
+    return out
+
+
+def fused_lora_linear_small_m(
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: Optional[torch.Tensor],
+    lora_a: Optional[torch.Tensor],
+    lora_b: Optional[torch.Tensor],
+    scaling: float,
+    lora_x: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Inference forward of a quantized linear layer with a LoRA adapter, for few rows (see [`lora_linear_ref`]).
+
+    Reads the quantized weight once and never materializes it; meant for ``x`` with at most about
+    [`SMALL_M_MAX`] rows (any M is correct, but the weight is re-read for every 16 rows).
+
+    Args:
+        x (`torch.Tensor`): Activations ``(..., in_features)`` in fp16, bf16 or fp32; W is rounded to this dtype.
+        weight ([`Packed4bit`] or [`Int8Rowwise`]): The quantized base weight ``(out_features, in_features)``.
+        bias (`torch.Tensor`, *optional*): ``(out_features,)``, rounded to ``x.dtype``.
+        lora_a (`torch.Tensor`, *optional*): ``(r, in_features)`` LoRA down-projection; ``None`` skips LoRA.
+        lora_b (`torch.Tensor`, *optional*): ``(out_features, r)`` LoRA up-projection (used in ``lora_a``'s dtype).
+        scaling (`float`): LoRA scaling (``alpha / r``).
+        lora_x (`torch.Tensor`, *optional*): Input of the LoRA branch (e.g. after dropout), shaped like ``x``.
+
+    Returns:
+        `torch.Tensor`: ``(..., out_features)`` in ``x.dtype``.
+    """
+    _check_inputs(x, weight, bias, lora_a, lora_b, lora_x)
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, k)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    xa = None
+    if lora_a is not None:
+        lx = (x if lora_x is None else lora_x).reshape(-1, k)
+        xa = F.linear(lx.to(lora_a.dtype), lora_a).contiguous()  # (M, r) in the adapter dtype, like the reference
+        lora_b = lora_b.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    config = pick_config(x2d.shape[0], n, k, x.device)
+    out = _launch(x2d, weight, bias, xa, lora_b, scaling, config)
+    return out.reshape(*lead, n)

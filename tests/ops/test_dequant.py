@@ -1,0 +1,215 @@
+"""Triton dequantization vs the pure-torch reference and bitsandbytes' own dequantization: bit-exact.
+
+On CPU the kernels run under the Triton interpreter, so that run takes a covering subset of the cases; the full
+product and real model shapes are ``@pytest.mark.gpu``.
+"""
+
+import itertools
+
+import bitsandbytes.functional as bnbF
+import pytest
+import torch
+from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
+
+from peft_fastlora.bnb_weights import packed4bit_from_bnb
+from peft_fastlora.ops.dequant import dequantize, dequantize_4bit, dequantize_int8
+from peft_fastlora.ops.quant_state import Int8Rowwise, Packed4bit
+from peft_fastlora.ops.reference import dequantize_4bit_ref, dequantize_int8_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+OUT_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+STORAGES = [torch.uint8, torch.bfloat16, torch.float16, torch.float32]
+
+# bitsandbytes' documented pure-torch twin of its CUDA kernel, without its torch.compile wrapper (seconds per shape).
+_bnb_dequant_4bit_torch = getattr(_dequantize_4bit_compute, "__wrapped__", _dequantize_4bit_compute)
+
+
+def make_4bit(shape, quant_type="nf4", nested=False, blocksize=64, storage=torch.uint8, w_dtype=torch.float32):
+    """Quantizes a fresh random weight with bitsandbytes; returns (Packed4bit, packed data, QuantState)."""
+    w = torch.randn(shape, device=DEVICE, dtype=w_dtype)
+    q, st = bnbF.quantize_4bit(
+        w, blocksize=blocksize, quant_type=quant_type, compress_statistics=nested, quant_storage=storage
+    )
+    return packed4bit_from_bnb(q, st), q, st
+
+
+def bnb_dequant_torch(q, st, dtype):
+    """bitsandbytes' own pure-torch dequantization (what its CUDA kernel computes), for any device."""
+    absmax = st.absmax
+    if st.nested:
+        absmax = bnbF.dequantize_blockwise(st.absmax, st.state2) + st.offset
+    flat = q.reshape(-1).view(torch.uint8)
+    return _bnb_dequant_4bit_torch(flat, absmax.float(), st.code, st.blocksize, list(st.shape), dtype)
+
+
+def assert_4bit_exact(weight, q, st, dtype):
+    out = dequantize_4bit(weight, dtype)
+    assert out.shape == weight.shape and out.dtype == dtype and out.device == weight.device
+    assert torch.equal(out, dequantize_4bit_ref(weight, dtype)), "differs from dequantize_4bit_ref"
+    assert torch.equal(out, bnb_dequant_torch(q, st, dtype)), "differs from bitsandbytes' dequantization"
+
+
+# (quant_type, nested, blocksize, quant_storage, shape): every option at least twice, awkward shapes (numel not a
+# multiple of the blocksize, odd numel, a single row), and a nested case with several nested-absmax blocks (130x260
+# with blocksize 64 has 529 absmax codes, i.e. 3 blocks of 256). Non-uint8 storage needs numel % 8 == 0 in bnb.
+CPU_CASES = [
+    ("nf4", True, 64, torch.uint8, (33, 70)),
+    ("fp4", False, 64, torch.bfloat16, (96, 80)),
+    ("nf4", False, 128, torch.float16, (96, 80)),
+    ("fp4", True, 128, torch.float32, (64, 24)),
+    ("nf4", True, 256, torch.uint8, (1, 130)),
+    ("fp4", False, 256, torch.bfloat16, (40, 100)),
+    ("nf4", True, 4096, torch.float16, (7, 1000)),
+    ("fp4", True, 64, torch.uint8, (5, 33)),
+    ("fp4", True, 1024, torch.float32, (16, 520)),
+    ("nf4", True, 64, torch.bfloat16, (130, 260)),
+]
+
+
+@pytest.mark.parametrize("dtype", OUT_DTYPES, ids=str)
+@pytest.mark.parametrize("quant_type,nested,blocksize,storage,shape", CPU_CASES, ids=str)
+def test_dequantize_4bit_bit_exact(quant_type, nested, blocksize, storage, shape, dtype):
+    weight, q, st = make_4bit(shape, quant_type, nested, blocksize, storage)
+    assert_4bit_exact(weight, q, st, dtype)
+
+
+@pytest.mark.parametrize("dtype", OUT_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(37, 75), (1, 130), (3, 4100)], ids=str)
+def test_dequantize_int8_bit_exact(shape, dtype):
+    w = torch.randn(shape, device=DEVICE, dtype=torch.float16)
+    cb, scb, _ = bnbF.int8_vectorwise_quant(w)
+    weight = Int8Rowwise(cb=cb, scb=scb)
+    out = dequantize_int8(weight, dtype)
+    assert out.shape == shape and out.dtype == dtype
+    assert torch.equal(out, dequantize_int8_ref(weight, dtype))
+    assert torch.equal(out, bnbF.int8_vectorwise_dequant(cb, scb).to(dtype))
+
+
+def test_dequantize_dispatches_on_weight_type():
+    weight, _, _ = make_4bit((8, 64), nested=True)
+    assert torch.equal(dequantize(weight, torch.bfloat16), dequantize_4bit_ref(weight, torch.bfloat16))
+    cb, scb, _ = bnbF.int8_vectorwise_quant(torch.randn(8, 64, device=DEVICE, dtype=torch.float16))
+    int8 = Int8Rowwise(cb=cb, scb=scb)
+    assert torch.equal(dequantize(int8, torch.float16), dequantize_int8_ref(int8, torch.float16))
+    with pytest.raises(TypeError, match="Packed4bit or Int8Rowwise"):
+        dequantize(torch.zeros(2, 2), torch.float16)
+
+
+def test_out_argument_is_filled_and_returned():
+    weight, _, _ = make_4bit((24, 40), nested=True)
+    out = torch.full(weight.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    result = dequantize_4bit(weight, torch.bfloat16, out=out)
+    assert result is out
+    assert torch.equal(out, dequantize_4bit_ref(weight, torch.bfloat16))
+
+    cb, scb, _ = bnbF.int8_vectorwise_quant(torch.randn(6, 10, device=DEVICE, dtype=torch.float16))
+    int8 = Int8Rowwise(cb=cb, scb=scb)
+    out8 = torch.empty(6, 10, dtype=torch.float32, device=DEVICE)
+    assert dequantize_int8(int8, torch.float32, out=out8) is out8
+    assert torch.equal(out8, dequantize_int8_ref(int8, torch.float32))
+
+
+def _replace(weight: Packed4bit, **changes) -> Packed4bit:
+    fields = {f: getattr(weight, f) for f in weight.__dataclass_fields__}
+    fields.update(changes)
+    return Packed4bit(**fields)
+
+
+def test_bad_inputs_raise_clear_errors():
+    weight, _, _ = make_4bit((8, 64), nested=True)
+    with pytest.raises(ValueError, match="`dtype` must be one of"):
+        dequantize_4bit(weight, torch.int8)
+    with pytest.raises(ValueError, match=r"`out` must be a \(8, 64\) torch.bfloat16"):
+        dequantize_4bit(weight, torch.bfloat16, out=torch.empty(8, 63, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(ValueError, match=r"`out` must be a \(8, 64\) torch.bfloat16"):
+        dequantize_4bit(weight, torch.bfloat16, out=torch.empty(8, 64, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(ValueError, match="`out` must be contiguous"):
+        dequantize_4bit(weight, torch.float16, out=torch.empty(64, 8, dtype=torch.float16, device=DEVICE).t())
+    data_2d = weight.data.reshape(16, 16)
+    with pytest.raises(ValueError, match="`weight.data` must be contiguous"):
+        dequantize_4bit(_replace(weight, data=data_2d.t()), torch.float16)
+    with pytest.raises(ValueError, match="`weight.data` has 256 elements but the weight needs at least 260"):
+        dequantize_4bit(_replace(weight, shape=(8, 65)), torch.float16)
+    with pytest.raises(ValueError, match="`weight.blocksize` must be a power of two"):
+        dequantize_4bit(_replace(weight, blocksize=48), torch.float16)
+    with pytest.raises(ValueError, match="`weight.absmax` must have dtype torch.uint8"):
+        dequantize_4bit(_replace(weight, absmax=weight.absmax.float()), torch.float16)
+    with pytest.raises(ValueError, match="`weight.nested_code` is on meta"):
+        dequantize_4bit(_replace(weight, nested_code=weight.nested_code.to("meta")), torch.float16)
+    with pytest.raises(ValueError, match="`weight.code` has 8 elements"):
+        dequantize_4bit(_replace(weight, code=weight.code[:8]), torch.float16)
+
+    cb, scb, _ = bnbF.int8_vectorwise_quant(torch.randn(6, 10, device=DEVICE, dtype=torch.float16))
+    with pytest.raises(ValueError, match="one scale per row"):
+        dequantize_int8(Int8Rowwise(cb=cb, scb=scb[:5]), torch.float16)
+    with pytest.raises(ValueError, match="`weight.cb` must have dtype torch.int8"):
+        dequantize_int8(Int8Rowwise(cb=cb.float(), scb=scb), torch.float16)
+    with pytest.raises(ValueError, match="`weight.cb` must be contiguous"):
+        dequantize_int8(Int8Rowwise(cb=cb.t(), scb=scb), torch.float16)
+
+
+# ----------------------------------------------------------------------------------------------------- GPU only
+
+
+def _gpu_cases():
+    shapes = {torch.uint8: [(33, 70), (5, 33), (1, 130)], "any": [(96, 80), (130, 260), (256, 1000)]}
+    for quant_type, nested, blocksize, storage in itertools.product(
+        ["nf4", "fp4"], [False, True], [64, 128, 256, 512, 1024, 2048, 4096], STORAGES
+    ):
+        for shape in shapes["any"] + (shapes[torch.uint8] if storage == torch.uint8 else []):
+            yield quant_type, nested, blocksize, storage, shape
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant_type,nested,blocksize,storage,shape", list(_gpu_cases()), ids=str)
+def test_gpu_full_product_bit_exact(quant_type, nested, blocksize, storage, shape):
+    weight, q, st = make_4bit(shape, quant_type, nested, blocksize, storage)
+    for dtype in OUT_DTYPES:
+        assert_4bit_exact(weight, q, st, dtype)
+        st.dtype = torch.float32  # bnb's CUDA kernel in fp32, rounded once by us: the same math as ours
+        assert torch.equal(dequantize_4bit(weight, dtype), bnbF.dequantize_4bit(q, st).to(dtype))
+
+
+REAL_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("quant_type,nested", [("nf4", True), ("nf4", False), ("fp4", True)], ids=str)
+@pytest.mark.parametrize("shape", REAL_SHAPES, ids=str)
+def test_gpu_real_shapes_match_bitsandbytes_cuda(shape, quant_type, nested, w_dtype):
+    weight, q, st = make_4bit(shape, quant_type, nested, 64, torch.uint8, w_dtype)
+    st.dtype = torch.float32
+    expected = bnbF.dequantize_4bit(q, st)
+    for dtype in OUT_DTYPES:
+        out = dequantize_4bit(weight, dtype)
+        assert torch.equal(out, expected.to(dtype))
+        assert torch.equal(out, dequantize_4bit_ref(weight, dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 4096), (14336, 4096), (33, 70)], ids=str)
+def test_gpu_int8_real_shapes(shape):
+    cb, scb, _ = bnbF.int8_vectorwise_quant(torch.randn(shape, device="cuda", dtype=torch.float16))
+    weight = Int8Rowwise(cb=cb, scb=scb)
+    for dtype in OUT_DTYPES:
+        assert torch.equal(dequantize_int8(weight, dtype), dequantize_int8_ref(weight, dtype))
+        assert torch.equal(dequantize_int8(weight, dtype), bnbF.int8_vectorwise_dequant(cb, scb).to(dtype))
+
+
+@pytest.mark.gpu
+def test_gpu_launches_on_the_weights_device():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    weight, _, _ = make_4bit((64, 128), nested=True)
+    moved = _replace(
+        weight,
+        **{
+            f: getattr(weight, f).to("cuda:1")
+            for f in ("data", "absmax", "code", "nested_absmax", "nested_code", "offset")
+        },
+    )
+    with torch.cuda.device(0):
+        out = dequantize_4bit(moved, torch.bfloat16)
+    assert out.device == torch.device("cuda:1")
+    assert torch.equal(out.cpu(), dequantize_4bit_ref(weight, torch.bfloat16).cpu())

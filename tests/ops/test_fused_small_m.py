@@ -1,0 +1,242 @@
+"""The fused small-M quantized linear + LoRA kernel vs ``lora_linear_ref`` (and vs an fp64 oracle).
+
+Two checks per result:
+
+* against ``lora_linear_ref`` with a per-dtype ``(atol, rtol)``. Inputs are scaled so outputs are O(1). The reference
+  rounds twice in ``x.dtype`` (``x @ W.T + bias``, then ``+ LoRA``) and rounds the LoRA term to the adapter dtype; the
+  kernel keeps everything in fp32 and rounds once. Each rounding is <= 1/2 ulp, so the two can differ by ~1.5 ulp of
+  ``x.dtype`` (bf16: 2**-7 at |y| in [1, 2)), plus fp32 summation-order noise (~1e-6) that only matters for fp32.
+* against the exact fp64 value of the same math (W dequantized to ``x.dtype``): the kernel must be within one
+  rounding (unit roundoff ``u`` of ``x.dtype``) plus a worst-case fp32 accumulation bound. This proves the kernel
+  rounds once and that W is rounded to ``x.dtype`` exactly as the reference does.
+"""
+
+import math
+
+import bitsandbytes.functional as bnbF
+import pytest
+import torch
+import torch.nn.functional as F
+
+from peft_fastlora.bnb_weights import packed4bit_from_bnb
+from peft_fastlora.ops.fused_small_m import SMALL_M_MAX, SmallMConfig, _launch, fused_lora_linear_small_m
+from peft_fastlora.ops.quant_state import Int8Rowwise
+from peft_fastlora.ops.reference import dequantize_ref, lora_linear_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+TOLERANCES = [
+    (torch.float32, 1e-5, 1e-5),
+    (torch.float16, 2e-3, 2e-3),
+    (torch.bfloat16, 1.6e-2, 1.6e-2),
+]
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def make_weight(kind: str, n: int, k: int):
+    """``kind``: "<nf4|fp4>-<blocksize>[-nested]" or "int8"."""
+    w = torch.randn(n, k, device=DEVICE)
+    if kind == "int8":
+        cb, scb, _ = bnbF.int8_vectorwise_quant(w.half())
+        return Int8Rowwise(cb=cb, scb=scb)
+    quant_type, blocksize, *nested = kind.split("-")
+    q, st = bnbF.quantize_4bit(w, blocksize=int(blocksize), quant_type=quant_type, compress_statistics=bool(nested))
+    return packed4bit_from_bnb(q, st)
+
+
+def make_inputs(lead, n, k, dtype, r=8, bias=True, lora=True, lora_x=True, adapter_dtype=None, bias_dtype=None):
+    adapter_dtype = adapter_dtype or dtype
+    x = (torch.randn(*lead, k, device=DEVICE) / math.sqrt(k)).to(dtype)
+    b = torch.randn(n, device=DEVICE).to(bias_dtype or dtype) if bias else None
+    a = (torch.randn(r, k, device=DEVICE) / math.sqrt(k)).to(adapter_dtype) if lora else None
+    bb = (torch.randn(n, r, device=DEVICE) / math.sqrt(r)).to(adapter_dtype) if lora else None
+    lx = (torch.randn(*lead, k, device=DEVICE) / math.sqrt(k)).to(dtype) if (lora and lora_x) else None
+    return x, b, a, bb, lx
+
+
+def check(y, x, weight, bias, lora_a, lora_b, scaling, lora_x, atol, rtol):
+    n = weight.shape[0]
+    assert y.shape == (*x.shape[:-1], n) and y.dtype == x.dtype and y.device == x.device
+    expected = lora_linear_ref(x, weight, bias, lora_a, lora_b, scaling, lora_x)
+    torch.testing.assert_close(y, expected, atol=atol, rtol=rtol)
+
+    # fp64 oracle of the kernel's math: W and bias rounded to x.dtype, xa = lora_x @ A.T in the adapter dtype.
+    w = dequantize_ref(weight, x.dtype).double()
+    x64 = x.double().reshape(-1, x.shape[-1])
+    exact, magnitude = x64 @ w.T, x64.abs() @ w.abs().T
+    if bias is not None:
+        exact, magnitude = exact + bias.to(x.dtype).double(), magnitude + bias.to(x.dtype).double().abs()
+    if lora_a is not None:
+        lx = (x if lora_x is None else lora_x).reshape(-1, x.shape[-1])
+        xa = F.linear(lx.to(lora_a.dtype), lora_a).double()
+        b64 = lora_b.to(lora_a.dtype).double()
+        exact = exact + scaling * (xa @ b64.T)
+        magnitude = magnitude + abs(scaling) * (xa.abs() @ b64.abs().T)
+    u = UNIT_ROUNDOFF[x.dtype]
+    accumulation = (x.shape[-1] + lora_a.shape[0] + 2 if lora_a is not None else x.shape[-1] + 1) * 2.0**-24
+    bound = u * exact.abs() + (1 + u) * accumulation * magnitude + 1e-30
+    error = (y.double().reshape(exact.shape) - exact).abs()
+    assert (error <= bound).all(), f"not within one rounding of the exact result: max excess {(error - bound).max()}"
+
+
+@pytest.fixture(autouse=True)
+def _exact_reference_matmuls():
+    """cuBLAS may round fp16/bf16 split-K partial sums to 16 bits; keep the reference at its best on GPU."""
+    matmul = torch.backends.cuda.matmul
+    saved = (matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction)
+    matmul.allow_fp16_reduced_precision_reduction = matmul.allow_bf16_reduced_precision_reduction = False
+    yield
+    matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction = saved
+
+
+N, K = 40, 192  # K < BLOCK_K of the default tiling, so the K tail is masked
+LEADS = {1: (1,), 3: (3,), 16: (2, 8)}  # M = 16 as a 3-D input
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES, ids=str)
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("kind", ["nf4-64-nested", "fp4-128", "int8"])
+def test_matches_reference(kind, m, dtype, atol, rtol):
+    weight = make_weight(kind, N, K)
+    x, bias, a, b, lx = make_inputs(LEADS[m], N, K, dtype)
+    y = fused_lora_linear_small_m(x, weight, bias, a, b, 0.5, lx)
+    check(y, x, weight, bias, a, b, 0.5, lx, atol, rtol)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES, ids=str)
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("shape,kind", [((24, 33), "fp4-64"), ((33, 70), "nf4-64-nested")], ids=str)
+def test_4bit_rows_not_made_of_whole_blocks(shape, kind, m, dtype, atol, rtol):
+    """Odd K and K % blocksize != 0: rows start mid-byte or mid-block (the per-element path)."""
+    n, k = shape
+    weight = make_weight(kind, n, k)
+    x, bias, a, b, lx = make_inputs((m,), n, k, dtype)
+    check(fused_lora_linear_small_m(x, weight, bias, a, b, 2.0, lx), x, weight, bias, a, b, 2.0, lx, atol, rtol)
+
+
+OPTIONS = {
+    "no-bias": dict(bias=False),
+    "no-lora": dict(lora=False),
+    "nothing": dict(bias=False, lora=False),
+    "lora-on-x": dict(lora_x=False),
+    "fp32-adapter": dict(adapter_dtype=torch.float32),
+    "fp32-bias-r16": dict(bias_dtype=torch.float32, r=16),
+}
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES[1:], ids=str)
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_optional_terms(option, m, dtype, atol, rtol):
+    weight = make_weight("nf4-64-nested", N, K)
+    x, bias, a, b, lx = make_inputs((m,), N, K, dtype, **OPTIONS[option])
+    y = fused_lora_linear_small_m(x, weight, bias, a, b, 0.25, lx)
+    check(y, x, weight, bias, a, b, 0.25, lx, atol, rtol)
+
+
+TILINGS = [
+    # FMA path over 3 rows, several K iterations, split in 3 (last split shorter), blocksize > BLOCK_K
+    ("nf4-128-nested", 3, SmallMConfig(use_dot=False, block_n=16, block_k=64, split_k=3)),
+    # tensor-core path, 20 rows = two M tiles, split in 2
+    ("fp4-64", 20, SmallMConfig(use_dot=True, block_n=16, block_k=64, split_k=2)),
+    ("int8", 2, SmallMConfig(use_dot=True, block_n=32, block_k=64, split_k=2)),
+    ("int8", 1, SmallMConfig(use_dot=False, block_n=16, block_k=128, split_k=2)),
+]
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", [TOLERANCES[0], TOLERANCES[2]], ids=str)
+@pytest.mark.parametrize("kind,m,config", TILINGS, ids=str)
+def test_tilings_and_split_k(kind, m, config, dtype, atol, rtol):
+    weight = make_weight(kind, N, K)
+    x, bias, a, b, lx = make_inputs((m,), N, K, dtype)
+    xa = F.linear(lx.to(a.dtype), a)
+    y = _launch(x, weight, bias, xa, b, 0.5, config)
+    check(y, x, weight, bias, a, b, 0.5, lx, atol, rtol)
+    assert torch.equal(y, _launch(x, weight, bias, xa, b, 0.5, config)), "split-K reduction is not deterministic"
+
+
+def test_no_rows_and_strided_rows():
+    weight = make_weight("nf4-64-nested", N, K)
+    assert fused_lora_linear_small_m(torch.empty(0, K, device=DEVICE), weight, None, None, None, 1.0).shape == (0, N)
+    x = torch.randn(2, 2 * K, device=DEVICE)[:, :K]  # row stride 2K
+    y = fused_lora_linear_small_m(x, weight, None, None, None, 1.0)
+    torch.testing.assert_close(y, lora_linear_ref(x, weight, None, None, None, 1.0), atol=1e-5, rtol=1e-5)
+    assert SMALL_M_MAX == 16
+
+
+def test_bad_inputs_raise_clear_errors():
+    weight = make_weight("nf4-64-nested", N, K)
+    x, bias, a, b, lx = make_inputs((2,), N, K, torch.float16)
+    with pytest.raises(ValueError, match=r"`x` must have shape \(\.\.\., 192\)"):
+        fused_lora_linear_small_m(x[:, :-1], weight, bias, a, b, 1.0)
+    with pytest.raises(ValueError, match="`x` must have dtype in"):
+        fused_lora_linear_small_m(x.to(torch.int32), weight, bias, a, b, 1.0)
+    with pytest.raises(ValueError, match=r"`bias` must have shape \(40,\)"):
+        fused_lora_linear_small_m(x, weight, bias[:-1], a, b, 1.0)
+    with pytest.raises(ValueError, match="`lora_a` and `lora_b` must be given together"):
+        fused_lora_linear_small_m(x, weight, bias, a, None, 1.0)
+    with pytest.raises(ValueError, match=r"`lora_b` must have shape \(40, 8\)"):
+        fused_lora_linear_small_m(x, weight, bias, a, b[:, :4], 1.0)
+    with pytest.raises(ValueError, match=r"`lora_x` must have the shape of `x`"):
+        fused_lora_linear_small_m(x, weight, bias, a, b, 1.0, lx[:1])
+    with pytest.raises(ValueError, match="`bias` is on meta"):
+        fused_lora_linear_small_m(x, weight, bias.to("meta"), a, b, 1.0)
+    with pytest.raises(TypeError, match="Packed4bit or Int8Rowwise"):
+        fused_lora_linear_small_m(x, torch.zeros(N, K, device=DEVICE), None, None, None, 1.0)
+
+
+# ----------------------------------------------------------------------------------------------------- GPU only
+
+REAL_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (out_features, in_features)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES, ids=str)
+@pytest.mark.parametrize("m", [1, 2, 16])
+@pytest.mark.parametrize("kind", ["nf4-64-nested", "int8"])
+@pytest.mark.parametrize("shape", REAL_SHAPES, ids=str)
+def test_gpu_real_shapes(shape, kind, m, dtype, atol, rtol):
+    n, k = shape
+    weight = make_weight(kind, n, k)
+    x, bias, a, b, lx = make_inputs((1, m), n, k, dtype, r=16)
+    y = fused_lora_linear_small_m(x, weight, bias, a, b, 2.0, lx)
+    check(y, x, weight, bias, a, b, 2.0, lx, atol, rtol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_gpu_cuda_graph_capture_and_replay(m):
+    n, k = 4096, 4096
+    weight = make_weight("nf4-64-nested", n, k)
+    x, bias, a, b, _ = make_inputs((m,), n, k, torch.bfloat16, r=16)
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compiles) outside the capture
+        fused_lora_linear_small_m(static_x, weight, bias, a, b, 2.0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = fused_lora_linear_small_m(static_x, weight, bias, a, b, 2.0)
+    for _ in range(3):
+        new_x = torch.randn_like(x)
+        static_x.copy_(new_x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_y, fused_lora_linear_small_m(new_x, weight, bias, a, b, 2.0))
+        check(static_y, new_x, weight, bias, a, b, 2.0, None, *TOLERANCES[2][1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [SmallMConfig(False, 8, 512, 8), SmallMConfig(True, 16, 256, 16)], ids=str)
+def test_gpu_split_k_is_deterministic(config):
+    """The last program of a tile sums the partials in split order: results never vary from run to run."""
+    n, k = 4096, 14336
+    weight = make_weight("nf4-64-nested", n, k)
+    m = 1 if not config.use_dot else 16
+    x, bias, a, b, _ = make_inputs((m,), n, k, torch.bfloat16, r=16)
+    xa = F.linear(x, a)
+    first = _launch(x, weight, bias, xa, b, 2.0, config)
+    check(first, x, weight, bias, a, b, 2.0, None, *TOLERANCES[2][1:])
+    for _ in range(50):
+        assert torch.equal(_launch(x, weight, bias, xa, b, 2.0, config), first)

@@ -1,0 +1,159 @@
+"""Smoke tests of the benchmark scripts: tiny shapes on the CPU, same code path as the GPU run.
+
+Each script runs end to end in a subprocess (as the lead runs it on the GPU box) and must write its CSVs, with the
+environment header and the expected columns, and its PNGs. A provider that fails must become an error row.
+"""
+
+import csv
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+HEADER_KEYS = ("gpu", "torch", "triton", "transformers", "peft", "bitsandbytes", "date", "command")
+TIMEOUT_S = 240  # generous for a loaded 2-core CI box; a normal run takes ~10 s
+
+
+def run_python(args: list[str], out: Path) -> str:
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+    log = proc.stdout + proc.stderr
+    (out / "log.txt").write_text(log)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{log[-4000:]}"
+    return log
+
+
+def read(path: Path) -> tuple[dict[str, str], list[str], list[dict[str, str]]]:
+    """(header, columns, rows) of a benchmark CSV."""
+    assert path.exists(), f"{path.name} was not written"
+    lines = path.read_text().splitlines()
+    header = dict(line[2:].split(": ", 1) for line in lines if line.startswith("# "))
+    body = [line for line in lines if not line.startswith("#")]
+    reader = csv.DictReader(body)
+    return header, reader.fieldnames, list(reader)
+
+
+def check_header(header: dict[str, str]) -> None:
+    missing = [k for k in HEADER_KEYS if k not in header]
+    assert not missing, f"CSV header lacks {missing}: {header}"
+
+
+def check_png(path: Path) -> None:
+    assert path.exists(), f"{path.name} was not written"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{path.name} is not a PNG"
+
+
+def test_bench_layers_tiny_cpu(tmp_path):
+    log = run_python(["benchmarks/bench_layers.py", "--device", "cpu", "--tiny", "--out", str(tmp_path)], tmp_path)
+    assert "bench_layers done" in log, log[-3000:]
+
+    header, columns, rows = read(tmp_path / "layers.csv")
+    check_header(header)
+    for col in ("shape", "mode", "M", "provider", "time_ms", "ratio_to_bf16", "speedup_vs_peft_bnb", "status"):
+        assert col in columns
+    providers = {"bf16-lora", "peft-bnb-nf4", "peft-bnb-nf4-dq", "peft-bnb-int8", "fastlora-nf4", "fastlora-nf4-dq",
+                 "fastlora-int8"}  # fmt: skip
+    assert {r["provider"] for r in rows} == providers
+    assert {r["mode"] for r in rows} == {"train", "infer"} and {r["M"] for r in rows} == {"1", "16"}
+    bad = [(r["provider"], r["mode"], r["M"], r["error"]) for r in rows if r["status"] != "ok"]
+    assert not bad, f"rows that did not run: {bad}"
+    fast = [r for r in rows if r["provider"].startswith("fastlora")]
+    assert all(r["layer"].endswith("FastLoraLinear4bit") or r["layer"].endswith("FastLoraLinear8bit") for r in fast)
+    assert all(float(r["time_ms"]) > 0 and float(r["ratio_to_bf16"]) > 0 for r in rows)
+    assert all(float(r["speedup_vs_peft_bnb"]) > 0 for r in fast)
+
+    _, dq_columns, dq_rows = read(tmp_path / "dequant.csv")
+    assert {"variant", "impl", "GBps", "pct_copy"} <= set(dq_columns)
+    pairs = {(r["variant"], r["impl"]) for r in dq_rows}
+    assert pairs >= {("copy", "copy"), ("nf4", "fastlora"), ("nf4-dq", "bnb"), ("int8", "fastlora")}
+    assert all(r["status"] == "ok" and float(r["GBps"]) > 0 for r in dq_rows)
+
+    _, t_columns, targets = read(tmp_path / "layers_targets.csv")
+    assert t_columns[:3] == ["target", "case", "value"] and "result" in t_columns
+    assert {t["result"] for t in targets} <= {"PASS", "MISS", "N/A"}
+    assert any(t["result"] != "N/A" for t in targets)
+    check_png(tmp_path / "layers_decode.png")
+    check_png(tmp_path / "dequant.png")
+
+    # --replot rebuilds tables, targets and plots from the CSVs alone.
+    (tmp_path / "dequant.png").unlink()
+    run_python(["benchmarks/bench_layers.py", "--replot", "--out", str(tmp_path)], tmp_path)
+    check_png(tmp_path / "dequant.png")
+
+
+def test_bench_train_step_tiny_cpu(tmp_path):
+    args = ["benchmarks/bench_train_step.py", "--device", "cpu", "--tiny", "--out", str(tmp_path),
+            "--profile", "fastlora-nf4"]  # fmt: skip
+    log = run_python(args, tmp_path)
+    assert "bench_train_step done" in log, log[-3000:]
+
+    header, columns, rows = read(tmp_path / "train_step.csv")
+    check_header(header)
+    for col in ("provider", "batch", "seq", "ckpt", "tokens_per_s", "ratio_to_bf16", "peak_GiB", "status"):
+        assert col in columns
+    providers = {"bf16-lora", "peft-bnb-nf4", "peft-bnb-nf4-dq", "peft-bnb-int8", "fastlora-nf4", "fastlora-nf4-dq",
+                 "fastlora-int8"}  # fmt: skip
+    assert {r["provider"] for r in rows} == providers
+    assert {(r["batch"], r["ckpt"]) for r in rows} == {("1", "off"), ("1", "on"), ("2", "off"), ("2", "on")}
+    bad = [(r["provider"], r["batch"], r["ckpt"], r["error"]) for r in rows if r["status"] != "ok"]
+    assert not bad, f"rows that did not run: {bad}"
+    assert all(float(r["tokens_per_s"]) > 0 for r in rows)
+    assert all(int(r["fastlora_layers"]) > 0 for r in rows if r["provider"].startswith("fastlora"))
+    assert not any(r["ref_tokens_per_s"] for r in rows), "reference numbers belong next to the full-size run only"
+
+    _, gen_columns, gen_rows = read(tmp_path / "generation.csv")
+    assert {"provider", "new_tokens", "tokens_per_s", "ratio_to_bf16"} <= set(gen_columns)
+    assert {r["provider"] for r in gen_rows} == {"bf16-lora", "peft-bnb-nf4", "fastlora-nf4", "peft-bnb-int8",
+                                                 "fastlora-int8"}  # fmt: skip
+    assert all(r["status"] == "ok" and r["new_tokens"] == "8" for r in gen_rows)
+
+    _, _, targets = read(tmp_path / "train_targets.csv")
+    assert targets and {t["result"] for t in targets} <= {"PASS", "MISS", "N/A"}
+    check_png(tmp_path / "train_step.png")
+    assert (tmp_path / "setup.csv").exists()
+    profile = next(tmp_path.glob("profile_fastlora-nf4_*.txt")).read_text()
+    assert "aten::" in profile  # on the CPU: the operator table (no CUDA kernels)
+
+
+FAILING_PROVIDERS = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, "benchmarks")
+    import bench_layers, bench_train_step
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    real_layer = bench_layers.make_provider_layer
+    bench_layers.make_provider_layer = lambda p, *a: broken() if p == "peft-bnb-int8" else real_layer(p, *a)
+    bench_layers.main(["--device", "cpu", "--tiny", "--out", sys.argv[1] + "/layers", "--modes", "infer",
+                       "--m", "1", "--sections", "layers", "--providers", "bf16-lora,peft-bnb-int8,fastlora-int8"])
+
+    real_wrap = bench_train_step.wrap
+    bench_train_step.wrap = lambda m, p, a: broken() if p == "peft-bnb-nf4" else real_wrap(m, p, a)
+    bench_train_step.main(["--device", "cpu", "--tiny", "--out", sys.argv[1] + "/train", "--batches", "1",
+                           "--ckpt", "off", "--providers", "bf16-lora,peft-bnb-nf4,fastlora-nf4",
+                           "--gen-providers", "peft-bnb-nf4"])
+    """
+)
+
+
+def test_failing_provider_becomes_error_row(tmp_path):
+    """One interpreter covers both scripts (CI has 2 cores): a provider that fails is recorded, the run goes on."""
+    script = tmp_path / "inject.py"
+    script.write_text(FAILING_PROVIDERS)
+    run_python([str(script), str(tmp_path)], tmp_path)
+
+    _, _, rows = read(tmp_path / "layers" / "layers.csv")
+    status = {r["provider"]: (r["status"], r["error"]) for r in rows}
+    assert status["peft-bnb-int8"][0] == "error" and "injected failure" in status["peft-bnb-int8"][1]
+    assert status["bf16-lora"][0] == "ok" and status["fastlora-int8"][0] == "ok"
+
+    _, _, rows = read(tmp_path / "train" / "train_step.csv")
+    status = {r["provider"]: (r["status"], r["error"]) for r in rows}
+    assert status["peft-bnb-nf4"][0] == "error" and "injected failure" in status["peft-bnb-nf4"][1]
+    assert status["bf16-lora"][0] == "ok" and status["fastlora-nf4"][0] == "ok"
+    _, _, gen_rows = read(tmp_path / "train" / "generation.csv")
+    assert [r["status"] for r in gen_rows] == ["error"]
+    check_png(tmp_path / "train" / "train_step.png")
