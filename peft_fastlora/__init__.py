@@ -7,12 +7,15 @@ Importing the package registers ``PeftType.FASTLORA`` with PEFT, so ``get_peft_m
 from . import _registry
 from .config import FastLoraConfig
 from .dtypes import ADAPTER_DTYPE_POLICIES, resolve_adapter_dtype
+from .export import export_lora, load_lora_as_fastlora
 from .guard import overflow_report
 from .layer import FastLoraLayer
 from .model import FastLoraModel
+from .model_card import update_model_card
 
 _registry.check_peft_version()
 _registry.register_method(FastLoraConfig, FastLoraModel)
+_registry.hook_model_card(update_model_card)
 
 __version__ = "0.1.0"
 __all__ = [
@@ -20,6 +23,8 @@ __all__ = [
     "FastLoraConfig",
     "FastLoraLayer",
     "FastLoraModel",
+    "export_lora",
+    "load_lora_as_fastlora",
     "overflow_report",
     "resolve_adapter_dtype",
 ]

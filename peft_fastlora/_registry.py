@@ -1,13 +1,15 @@
 """The one place that touches PEFT internals.
 
 PEFT has no public API for adding a ``PeftType`` member, so this module extends the enum, registers the FASTLORA
-method (config class, tuner class, the ``lora_`` key prefix) and hooks the model card writer. Everything is
-idempotent on re-import and fails loudly, before anything is changed, on a PEFT whose internals differ.
+method (config class, tuner class, the ``lora_`` key prefix) and hooks ``save_pretrained`` to add the FastLoRA
+model card. Everything is idempotent on re-import and fails loudly, before anything is changed, on a PEFT whose
+internals differ.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import peft
 from packaging.version import Version
@@ -43,7 +45,7 @@ def check_peft_version() -> None:
         (mapping, "PEFT_TYPE_TO_CONFIG_MAPPING"),
         (mapping, "PEFT_TYPE_TO_TUNER_MAPPING"),
         (mapping, "PEFT_TYPE_TO_PREFIX_MAPPING"),
-        (peft_model.PeftModel, "create_or_update_model_card"),
+        (peft_model.PeftModel, "save_pretrained"),
     ]:
         if not hasattr(owner, name):
             _fail(f"has no `{getattr(owner, '__name__', owner)}.{name}`")
@@ -95,19 +97,27 @@ def register_method(config_cls, model_cls) -> None:
 
 
 def hook_model_card(update_card) -> None:
-    """Makes ``PeftModel.save_pretrained`` also call ``update_card(peft_model, output_dir)`` after PEFT's card."""
+    """Makes ``PeftModel.save_pretrained`` call ``update_card(peft_model, save_directory, adapter_names=...)``.
+
+    It runs after PEFT has written its own card and the adapter files, on the main process only, with the adapters
+    that were actually saved (``selected_adapters``, default: all).
+    """
     from peft.peft_model import PeftModel
 
-    original = PeftModel.create_or_update_model_card
+    original = PeftModel.save_pretrained
     original = getattr(original, _CARD_HOOK_MARK, original)
 
     @functools.wraps(original)
-    def create_or_update_model_card(self, output_dir: str):
-        original(self, output_dir)
-        update_card(self, output_dir)
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        bound = inspect.signature(original).bind(self, save_directory, *args, **kwargs)
+        bound.apply_defaults()
+        original(self, save_directory, *args, **kwargs)
+        if bound.arguments.get("is_main_process", True):
+            selected = bound.arguments.get("selected_adapters") or list(self.peft_config)
+            update_card(self, save_directory, adapter_names=list(selected))
 
-    setattr(create_or_update_model_card, _CARD_HOOK_MARK, original)
-    PeftModel.create_or_update_model_card = create_or_update_model_card
+    setattr(save_pretrained, _CARD_HOOK_MARK, original)
+    PeftModel.save_pretrained = save_pretrained
 
 
 check_peft_version()

@@ -61,6 +61,18 @@ class FastLoraLayer(nn.Module, LoraLayer):
         """Requantizes a full-precision ``(out_features, in_features)`` weight into the base layer."""
         raise NotImplementedError
 
+    def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device=None) -> None:
+        # PEFT casts adapters to the base layer's dtype here; under `low_cpu_mem_usage=True` loading that would round
+        # saved fp32 adapters through the compute dtype. Once the policy has resolved a dtype, move in that dtype.
+        dtype = self.adapter_dtypes.get(adapter_name)
+        if dtype is None:
+            return super()._move_adapter_to_device_of_base_layer(adapter_name, device)
+        target = device if device is not None else self.get_base_layer().weight.device
+        for attr in ("lora_A", "lora_B"):
+            modules = getattr(self, attr)
+            if adapter_name in modules and not any(p.is_meta for p in modules[adapter_name].parameters()):
+                modules[adapter_name] = modules[adapter_name].to(target, dtype=dtype)
+
     def resolve_lora_variant(self, *, config, **kwargs):
         return None  # FastLoraConfig rejects DoRA and the other variants up front
 

@@ -53,7 +53,10 @@ class FastLoraModel(LoraModel):
         """
         if dequantize:
             self._dequantize_fastlora_layers(adapter_names, safe_merge)
-        return super().merge_and_unload(progressbar=progressbar, safe_merge=safe_merge, adapter_names=adapter_names)
+        model = super().merge_and_unload(progressbar=progressbar, safe_merge=safe_merge, adapter_names=adapter_names)
+        if dequantize:
+            _forget_quantization_if_none_left(model)
+        return model
 
     def _dequantize_fastlora_layers(self, adapter_names: Optional[list[str]], safe_merge: bool) -> None:
         layers = [(name, m) for name, m in self.model.named_modules() if isinstance(m, FastLoraLayer)]
@@ -63,3 +66,19 @@ class FastLoraModel(LoraModel):
                 raise ValueError(f"NaNs detected in the merged weight of {name!r}: an adapter seems to be broken.")
             parent_name, _, child = name.rpartition(".")
             setattr(self.model.get_submodule(parent_name), child, linear)
+
+
+def _forget_quantization_if_none_left(model: nn.Module) -> None:
+    """Drops transformers' quantization markers once no bitsandbytes layer is left, so the model saves and reloads
+    as a plain one (otherwise ``from_pretrained`` would try to load bitsandbytes state that is not there)."""
+    import bitsandbytes as bnb
+
+    if any(isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)) for m in model.modules()):
+        return
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "quantization_config"):
+        del config.quantization_config
+    for attr, value in (("hf_quantizer", None), ("is_quantized", False), ("is_loaded_in_4bit", False),
+                        ("is_loaded_in_8bit", False)):
+        if hasattr(model, attr):
+            setattr(model, attr, value)

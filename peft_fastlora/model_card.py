@@ -1,0 +1,395 @@
+"""The FastLoRA section of an adapter's README.md (model card).
+
+``PeftModel.save_pretrained`` writes PEFT's own card first; then [`update_model_card`] (hooked in by
+``_registry.hook_model_card``) adds what someone loading a FastLoRA adapter needs: that ``peft_fastlora`` must be
+imported first, how to load the base model exactly as it was quantized, and which dtype the adapter weights are in.
+The section lives between marker comments and is replaced on every save, so saving again never duplicates it.
+
+The facts behind the section are also kept, as JSON in a comment inside it, so that ``peft_fastlora.export_lora`` can
+write the matching card of a plain LoRA copy from the files alone.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from huggingface_hub import ModelCard, ModelCardData
+
+from .config import FastLoraConfig
+from .dtypes import FLOAT_DTYPES, model_float_dtype
+
+BLOCK_START = "<!-- peft-fastlora:start -->"
+BLOCK_END = "<!-- peft-fastlora:end -->"
+FACTS_PREFIX = "<!-- peft-fastlora:facts "
+_BLOCK_RE = re.compile(re.escape(BLOCK_START) + r".*?" + re.escape(BLOCK_END) + r"\n?", re.DOTALL)
+_FACTS_RE = re.compile(re.escape(FACTS_PREFIX) + r"(\{.*?\}) -->")
+ADAPTER_PLACEHOLDER = "path/to/this/adapter"
+BASE_PLACEHOLDER = "path/to/the/base/model"
+SHORT_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+POLICY_TEXT = {
+    "bf16": "bf16 adapters whatever the compute dtype (the QLoRA paper's choice).",
+    "fp32-if-fp16": "fp32 adapters under fp16 compute (so GradScaler can unscale their gradients), bf16 under bf16 "
+    "compute, fp32 under fp32 compute.",
+    "fp32": "fp32 adapters whatever the compute dtype.",
+}
+# task_type -> (AutoPeftModel class, transformers auto class of the base model)
+TASK_CLASSES = {
+    "CAUSAL_LM": ("AutoPeftModelForCausalLM", "AutoModelForCausalLM"),
+    "SEQ_2_SEQ_LM": ("AutoPeftModelForSeq2SeqLM", "AutoModelForSeq2SeqLM"),
+    "SEQ_CLS": ("AutoPeftModelForSequenceClassification", "AutoModelForSequenceClassification"),
+    "TOKEN_CLS": ("AutoPeftModelForTokenClassification", "AutoModelForTokenClassification"),
+    "QUESTION_ANS": ("AutoPeftModelForQuestionAnswering", "AutoModelForQuestionAnswering"),
+    "FEATURE_EXTRACTION": ("AutoPeftModelForFeatureExtraction", "AutoModel"),
+}
+
+
+def _py(value: Any) -> str:
+    """A Python literal for a str or a list of str, in double quotes (JSON's quoting is valid Python for these)."""
+    return json.dumps(value)
+
+
+def _dtype_name(dtype: Any) -> Optional[str]:
+    """``torch.bfloat16`` or ``"bfloat16"`` -> ``"bfloat16"``; ``None`` stays ``None``."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+# ---- facts ---------------------------------------------------------------------------------------------------------
+def quantization_facts(base_model: torch.nn.Module) -> Optional[dict]:
+    """How the base model is quantized, as a JSON-able dict, or ``None`` when it is not.
+
+    Read from ``model.config.quantization_config`` when present, else from the bitsandbytes layers themselves.
+    """
+    config = getattr(getattr(base_model, "config", None), "quantization_config", None)
+    if config is not None:
+        config = config if isinstance(config, dict) else config.to_dict()
+        method = str(getattr(config.get("quant_method"), "value", config.get("quant_method", "bitsandbytes")))
+        if method != "bitsandbytes":
+            return {"method": method}
+        skip = config.get("llm_int8_skip_modules")
+        if config.get("load_in_4bit"):
+            return {
+                "method": "bitsandbytes",
+                "bits": 4,
+                "quant_type": config.get("bnb_4bit_quant_type", "fp4"),
+                "compute_dtype": _dtype_name(config.get("bnb_4bit_compute_dtype") or "float32"),
+                "double_quant": bool(config.get("bnb_4bit_use_double_quant", False)),
+                "quant_storage": _dtype_name(config.get("bnb_4bit_quant_storage") or "uint8"),
+                "skip_modules": skip,
+            }
+        if config.get("load_in_8bit"):
+            return {"method": "bitsandbytes", "bits": 8, "skip_modules": skip}
+    import bitsandbytes as bnb
+
+    for module in base_model.modules():
+        if isinstance(module, bnb.nn.Linear4bit) and getattr(module.weight, "quant_state", None) is not None:
+            state = module.weight.quant_state
+            return {
+                "method": "bitsandbytes",
+                "bits": 4,
+                "quant_type": state.quant_type,
+                "compute_dtype": _dtype_name(module.compute_dtype or torch.float32),
+                "double_quant": bool(state.nested),
+                "quant_storage": _dtype_name(getattr(module.weight, "quant_storage", torch.uint8)),
+                "skip_modules": None,
+            }
+        if isinstance(module, bnb.nn.Linear8bitLt) and not module.state.has_fp16_weights:
+            return {"method": "bitsandbytes", "bits": 8, "skip_modules": None}
+    return None
+
+
+def adapter_dtype_counts(model: torch.nn.Module, adapter_name: str) -> dict[str, int]:
+    """``{"bf16": n_layers, ...}``: the dtypes the adapter's weights actually have (so will be saved in)."""
+    from peft.tuners.lora import LoraLayer
+
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        for attr in ("lora_A", "lora_embedding_A"):
+            container = getattr(module, attr, None)
+            if container is not None and adapter_name in container:
+                item = container[adapter_name]
+                dtype = item.dtype if isinstance(item, torch.Tensor) else next(item.parameters()).dtype
+                name = SHORT_DTYPE.get(dtype, _dtype_name(dtype))
+                counts[name] = counts.get(name, 0) + 1
+                break
+    return counts
+
+
+def collect_card_facts(peft_model, adapter_names: Optional[Sequence[str]] = None) -> Optional[dict]:
+    """Everything the FastLoRA card section says, as a JSON-able dict; ``None`` if no adapter is a FastLoRA one.
+
+    Args:
+        peft_model (`peft.PeftModel`): The model being saved.
+        adapter_names (`Sequence[str]`, *optional*): The adapters being saved (default: all of the model's).
+    """
+    configs = {
+        name: cfg
+        for name, cfg in peft_model.peft_config.items()
+        if isinstance(cfg, FastLoraConfig) and (adapter_names is None or name in adapter_names)
+    }
+    if not configs:
+        return None
+    base_model = peft_model.get_base_model()
+    base_name = getattr(base_model, "name_or_path", None) or next(
+        (c.base_model_name_or_path for c in configs.values() if c.base_model_name_or_path), None
+    )
+    model_dtype = model_float_dtype(base_model)
+    task_type = next((c.task_type for c in configs.values() if c.task_type), None)
+    adapters = [
+        {
+            "name": name,
+            "subfolder": None if name == "default" else name,
+            "adapter_dtype": cfg.adapter_dtype,
+            "dtypes": adapter_dtype_counts(peft_model, name),
+            "r": cfg.r,
+            "lora_alpha": cfg.lora_alpha,
+        }
+        for name, cfg in configs.items()
+    ]
+    # The default adapter first: it is the one that PeftModel.from_pretrained loads without a subfolder.
+    adapters.sort(key=lambda a: a["subfolder"] is not None)
+    return {
+        "base_model": base_name,
+        "model_dtype": _dtype_name(model_dtype) if model_dtype in FLOAT_DTYPES else None,
+        "task_type": str(getattr(task_type, "value", task_type)) if task_type else None,
+        "quantization": quantization_facts(base_model),
+        "adapters": adapters,
+    }
+
+
+def read_facts(text: str) -> Optional[dict]:
+    """The facts embedded in a card text by [`update_model_card`], or ``None``."""
+    match = _FACTS_RE.search(text)
+    try:
+        return json.loads(match.group(1)) if match else None
+    except json.JSONDecodeError:  # edited by hand: the card is then written without them
+        return None
+
+
+# ---- rendering -----------------------------------------------------------------------------------------------------
+def quantization_config_code(quant: Optional[dict]) -> Optional[str]:
+    """Python source building the ``BitsAndBytesConfig`` that reproduces the base model's quantization."""
+    if not quant or quant.get("method") != "bitsandbytes":
+        return None
+    skip = f"    llm_int8_skip_modules={_py(quant['skip_modules'])},\n" if quant.get("skip_modules") else ""
+    if quant["bits"] == 8:
+        return f"quantization_config = BitsAndBytesConfig(\n    load_in_8bit=True,\n{skip})"
+    return (
+        "quantization_config = BitsAndBytesConfig(\n"
+        "    load_in_4bit=True,\n"
+        f"    bnb_4bit_quant_type={_py(quant['quant_type'])},\n"
+        f"    bnb_4bit_compute_dtype=torch.{quant['compute_dtype']},\n"
+        f"    bnb_4bit_use_double_quant={quant['double_quant']},\n"
+        f"    bnb_4bit_quant_storage=torch.{quant['quant_storage']},\n"
+        f"{skip})"
+    )
+
+
+def describe_quantization(facts: dict) -> str:
+    """One line describing the base model's quantization."""
+    quant, model_dtype = facts.get("quantization"), facts.get("model_dtype")
+    if not quant:
+        return f"not quantized ({model_dtype or 'unknown dtype'})"
+    if quant.get("method") != "bitsandbytes":
+        return f"quantized with `{quant['method']}` (see the base model's config)"
+    if quant["bits"] == 8:
+        return f"bitsandbytes 8-bit (int8, row-wise scales), compute dtype {model_dtype} (the model dtype)"
+    double = "yes" if quant["double_quant"] else "no"
+    return (
+        f"bitsandbytes 4-bit {quant['quant_type']}, compute dtype {quant['compute_dtype']}, double quantization: "
+        f"{double}, quant_storage: {quant['quant_storage']}"
+    )
+
+
+def usage_code(facts: dict, *, plugin: bool) -> str:
+    """A runnable snippet that loads the base model as it was quantized, then every adapter of ``facts``."""
+    task = TASK_CLASSES.get(facts.get("task_type") or "")
+    auto_class = task[1] if task else "AutoModel"
+    quant_code = quantization_config_code(facts.get("quantization"))
+    model_dtype = facts.get("model_dtype")
+    lines = ["import torch"] if quant_code or model_dtype else []
+    lines += ["from peft import PeftModel"]
+    lines += [f"from transformers import {auto_class}" + (", BitsAndBytesConfig" if quant_code else "")]
+    if plugin:
+        lines += ["", "import peft_fastlora  # noqa: F401  (registers FastLoRA with PEFT: import it before loading)"]
+    lines += ["", f'adapter = "{ADAPTER_PLACEHOLDER}"  # this repository\'s id on the Hub, or the folder it is in']
+    load_kwargs = ""
+    if quant_code:
+        lines.append(quant_code)
+        load_kwargs += ", quantization_config=quantization_config"
+    if model_dtype:
+        load_kwargs += f", dtype=torch.{model_dtype}"
+    base_model = _py(facts.get("base_model") or BASE_PLACEHOLDER)
+    lines.append(f"base = {auto_class}.from_pretrained({base_model}{load_kwargs})")
+    for i, adapter in enumerate(facts["adapters"]):
+        sub = adapter["subfolder"]
+        where = f", adapter_name={_py(adapter['name'])}, subfolder={_py(sub)}" if sub else ""
+        if i == 0:
+            lines.append(f"model = PeftModel.from_pretrained(base, adapter{where})")
+        else:
+            lines.append(f"model.load_adapter(adapter{where})")
+    code = "\n".join(lines)
+    if task and facts["adapters"][0]["subfolder"] is None:
+        code += (
+            f"\n\n# or, in one call (the default adapter):\n# from peft import {task[0]}\n"
+            f"# model = {task[0]}.from_pretrained(adapter{load_kwargs})"
+        )
+    return code
+
+
+def _dtypes_text(counts: dict[str, int]) -> str:
+    if len(counts) <= 1:
+        return next(iter(counts), "-")
+    return ", ".join(f"{dtype} ({n} layer{'s' if n > 1 else ''})" for dtype, n in sorted(counts.items()))
+
+
+def _facts_comment(facts: dict) -> str:
+    # ">" is escaped so that no string in the JSON can close the HTML comment early.
+    return FACTS_PREFIX + json.dumps(facts, sort_keys=True).replace(">", "\\u003e") + " -->"
+
+
+def render_fastlora_block(facts: dict) -> str:
+    """The marked "Using this adapter" section of a FastLoRA adapter's card."""
+    rows = "\n".join(
+        f"| {a['name']} | `{a['subfolder'] or '.'}` | `{a['adapter_dtype']}` | {_dtypes_text(a['dtypes'])} "
+        f"| {a['r']} | {a['lora_alpha']} |"
+        for a in facts["adapters"]
+    )
+    policies = "\n".join(
+        f"- `{p}`: {POLICY_TEXT[p]}" for p in sorted({a["adapter_dtype"] for a in facts["adapters"]})
+    )
+    subfolder_hint = " (add `--subfolder NAME` for an adapter in a subfolder)" if len(facts["adapters"]) > 1 else ""
+    return f"""{BLOCK_START}
+{_facts_comment(facts)}
+
+## Using this adapter
+
+This is a FastLoRA adapter, trained with `peft-fastlora`, a PEFT plugin for fast, dtype-safe QLoRA. Its weights have
+LoRA's names and format, but its `adapter_config.json` says `"peft_type": "FASTLORA"`, so PEFT needs the plugin to
+load it: install it and `import peft_fastlora` before loading (without it, PEFT fails with `KeyError: 'FASTLORA'`).
+
+```bash
+pip install peft-fastlora
+```
+
+```python
+{usage_code(facts, plugin=True)}
+```
+
+Without peft-fastlora (stock PEFT, vLLM and other LoRA consumers), export a plain LoRA copy first:
+`python -m peft_fastlora export-lora <this folder> <new folder>`{subfolder_hint}.
+
+### Adapter dtypes
+
+| adapter | folder | `adapter_dtype` policy | dtype used | r | lora_alpha |
+|---|---|---|---|---|---|
+{rows}
+
+{policies}
+
+### Base model
+
+- Base model: `{facts.get("base_model")}`
+- Quantization: {describe_quantization(facts)}
+{BLOCK_END}
+"""
+
+
+def render_plain_lora_block(facts: Optional[dict], tensor_dtypes: list[str]) -> str:
+    """The marked "Using this adapter" section of a plain LoRA export (see ``peft_fastlora.export_lora``)."""
+    if facts:
+        base = f"""```python
+{usage_code(facts, plugin=False)}
+```
+
+- Base model: `{facts.get("base_model")}`
+- Quantization during training: {describe_quantization(facts)}"""
+    else:
+        base = "Load the base model as it was loaded for training (same quantization), then the adapter with " \
+               "`PeftModel.from_pretrained(base, adapter)`."
+    return f"""{BLOCK_START}
+
+## Using this adapter
+
+A plain PEFT LoRA adapter (`"peft_type": "LORA"`), exported from a FastLoRA adapter with
+`python -m peft_fastlora export-lora`: stock PEFT loads it without peft-fastlora, and so do other LoRA consumers such
+as vLLM. The weights are the FastLoRA adapter's, byte for byte (stored as {", ".join(tensor_dtypes) or "-"}).
+
+{base}
+
+To train it further with FastLoRA layers: `peft_fastlora.load_lora_as_fastlora(base, adapter)`.
+{BLOCK_END}
+"""
+
+
+# ---- the card file -------------------------------------------------------------------------------------------------
+def replace_block(text: str, block: Optional[str]) -> str:
+    """``text`` with its marked section replaced by ``block`` (inserted after the title if absent; removed if None)."""
+    match = _BLOCK_RE.search(text)
+    text = _BLOCK_RE.sub("", text)  # every copy goes; one is put back below
+    if block is None:
+        return text
+    if match:
+        at = match.start()
+    else:
+        title = re.search(r"^# .*\n", text, re.MULTILINE)
+        at = title.end() if title else 0
+        block = "\n" + block
+    return text[:at] + block + text[at:]
+
+
+def set_tags(card: ModelCard, add: set[str], remove: set[str]) -> None:
+    tags = set(card.data.tags or []) - remove | add
+    card.data.tags = sorted(tags)
+
+
+def write_fastlora_card(readme: Union[str, Path], facts: dict) -> None:
+    """Adds (or replaces) the FastLoRA section and tags of the card at ``readme`` (created if missing)."""
+    readme = Path(readme)
+    card = ModelCard.load(readme) if readme.exists() else ModelCard.from_template(ModelCardData())
+    card.data.library_name = "peft"
+    base = facts.get("base_model")
+    add = {"fastlora", "lora"}
+    if base:
+        card.data.base_model = card.data.base_model or base
+        add.add(f"base_model:adapter:{base}")
+    quantized = bool(facts.get("quantization"))
+    set_tags(card, add | ({"qlora"} if quantized else set()), set() if quantized else {"qlora"})
+    card.text = replace_block(card.text, render_fastlora_block(facts))
+    card.save(readme)
+
+
+def update_model_card(
+    peft_model, output_dir: Union[str, Path], adapter_names: Optional[Sequence[str]] = None
+) -> None:
+    """Adds the FastLoRA section to the README.md that ``PeftModel.save_pretrained`` just wrote in ``output_dir``.
+
+    Does nothing for a model without FastLoRA adapters, except removing a FastLoRA section left by an earlier save
+    to the same folder (it would no longer be true). A failure only warns: it must not stop the adapter from being
+    saved.
+
+    Args:
+        peft_model (`peft.PeftModel`): The model being saved.
+        output_dir (`str` or `Path`): The folder it is saved to.
+        adapter_names (`Sequence[str]`, *optional*): The adapters being saved (``save_pretrained``'s
+            ``selected_adapters``); default: all of the model's.
+    """
+    readme = Path(output_dir) / "README.md"
+    try:
+        facts = collect_card_facts(peft_model, adapter_names)
+        if facts is not None:
+            write_fastlora_card(readme, facts)
+        elif readme.exists() and BLOCK_START in readme.read_text(encoding="utf-8"):
+            card = ModelCard.load(readme)
+            card.text = replace_block(card.text, None)
+            set_tags(card, set(), {"fastlora"})
+            card.save(readme)
+    except Exception as err:  # the card is a courtesy: the adapter files matter more
+        warnings.warn(f"peft_fastlora could not update the model card {readme}: {err!r}", stacklevel=2)
