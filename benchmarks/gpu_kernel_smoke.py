@@ -1,7 +1,7 @@
 """Quick GPU check of the Triton dequant and fused small-M kernels: bit-exactness vs bitsandbytes, then timings.
 
     python benchmarks/gpu_kernel_smoke.py            # checks + default tilings (~1-2 min)
-    python benchmarks/gpu_kernel_smoke.py --sweep    # also sweeps tilings (a few more minutes)
+    python benchmarks/gpu_kernel_smoke.py --sweep    # also a short sweep of tilings/layouts (~2 min)
 
 Timing method. Decoding streams every layer's weight once per token, so a weight is never in L2 when its matmul
 starts; timing one weight over and over would read it from L2 (H200: 50 MB). Each timed op therefore cycles over
@@ -119,29 +119,29 @@ def bench_dequant(copy_gbs: float, l2_mb: float, sweep: bool) -> None:
 def dequant_rows(shape, dtype: torch.dtype, copy_gbs: float, l2_mb: float, sweep: bool) -> None:
     import bitsandbytes.functional as bnbF
 
-    from peft_fastlora.ops.dequant import _launch_dequant_4bit, check_packed4bit, dequantize_4bit
+    from peft_fastlora.ops.dequant import _launch_dequant_4bit, dequantize_4bit
 
     base, _, _ = quantize(shape)
     traffic = weight_bytes(base) + base.numel * torch.empty((), dtype=dtype).element_size()
     copies = [quantize(shape) for _ in range(copies_for(traffic, l2_mb))]
     outs = [torch.empty(shape, dtype=dtype, device="cuda") for _ in copies]
 
-    def ours(block_bytes=None, num_warps=8):
+    def ours(block_bytes=None, num_warps=8, layout=None):
         if block_bytes is None:
             return [lambda w=w, o=o: dequantize_4bit(w[0], dtype, out=o) for w, o in zip(copies, outs)]
-        datas = [check_packed4bit(w[0]) for w in copies]
         return [
-            lambda w=w, d=d, o=o: _launch_dequant_4bit(w[0], d, o, block_bytes, num_warps)
-            for w, d, o in zip(copies, datas, outs)
+            lambda w=w, o=o: _launch_dequant_4bit(w[0], None, o, block_bytes, num_warps, layout)
+            for w, o in zip(copies, outs)
         ]
 
     for _, _, st in copies:
         st.dtype = dtype
     bnb_us = graph_time_us([lambda c=c: bnbF.dequantize_4bit(c[1], c[2]) for c in copies])
     tilings = [("default", ours())]
-    if sweep:
-        for bpt, nw in itertools.product((2, 4, 8, 16), (4, 8, 16)):
-            tilings.append((f"{bpt} B/thread x {nw} warps", ours(bpt * 32 * nw, nw)))
+    if sweep and dtype == torch.bfloat16 and shape in DEQUANT_SWEEP_SHAPES:
+        # layout 0: interleave + one wide store, 1: (bytes, 2) pairs stored without reshape, 2: per-element bytes
+        for layout, bpt, nw in itertools.product((0, 1, 2), (4, 8, 16), (4, 8)):
+            tilings.append((f"layout {layout}, {bpt} B/thread x {nw} warps", ours(bpt * 32 * nw, nw, layout)))
     for name, calls in tilings:
         us = graph_time_us(calls)
         gbs = traffic / us / 1e3
@@ -201,7 +201,8 @@ def fused_rows(shape, m: int, copy_gbs: float, l2_mb: float, sweep: bool) -> Non
         sweep_fused(x.reshape(-1, k), copies, nbytes, config, copy_gbs)
 
 
-SWEEP_SHAPES = [(4096, 4096), (4096, 14336)]
+SWEEP_SHAPES = [(4096, 4096)]
+DEQUANT_SWEEP_SHAPES = [(4096, 4096), (14336, 4096)]
 
 
 def sweep_fused(x2d, copies, nbytes: int, default, copy_gbs: float) -> None:
@@ -219,10 +220,8 @@ def sweep_fused(x2d, copies, nbytes: int, default, copy_gbs: float) -> None:
             return float("inf")
 
     use_dot = x2d.shape[0] > 1
-    blocks = (
-        itertools.product((16, 32, 64), (64, 128, 256)) if use_dot else itertools.product((4, 8, 16), (256, 512, 1024))
-    )
-    grid = [SmallMConfig(use_dot, bn, bk, split) for (bn, bk) in blocks for split in sorted({1, 4, 8, default.split_k})]
+    blocks = itertools.product((16, 32, 64), (128, 256)) if use_dot else itertools.product((8, 16), (512, 1024))
+    grid = [SmallMConfig(use_dot, bn, bk, split) for (bn, bk) in blocks for split in sorted({1, default.split_k})]
     results = sorted(((run(c), c) for c in grid), key=lambda t: t[0])
     best = results[0][1]
     results += [(run(replace(best, num_warps=8)), replace(best, num_warps=8))]

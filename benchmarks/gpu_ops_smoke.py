@@ -8,7 +8,9 @@ Times forward and forward+backward (x and both adapters need grads, the base wei
 - ``fastlora-int8``: the same on an int8 row-scaled weight,
 - ``bnb``: bitsandbytes' own ``matmul_4bit`` + the same LoRA (what PEFT's Linear4bit runs), when available,
 
-with ``triton.testing.do_bench`` (median ms), and checks the target fwd+bwd <= 1.10x the ceiling at M=2048.
+with ``triton.testing.do_bench`` (median ms), and checks the target fwd+bwd <= 1.10x the ceiling at M=2048. The
+``host`` column is the CPU time of one fwd+bwd (ms, see ``host_ms``): where it exceeds the GPU time, the op is
+launch-bound.
 
 Usage (on a CUDA machine): ``python benchmarks/gpu_ops_smoke.py [--m 2048 8192] [--r 16]``
 """
@@ -32,12 +34,31 @@ def bench(fn, grad_to_none) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=200, grad_to_none=grad_to_none, return_mode="median")
 
 
+def host_ms(fn, leaves, iters: int = 30) -> float:
+    """CPU time per call of ``fn`` (Python + launches): ``iters`` calls queued without a sync, then one sync.
+
+    ``iters`` is small enough that the launch queue never fills, so the loop never waits for the GPU.
+    """
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        for t in leaves:
+            t.grad = None
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed * 1e3 / iters
+
+
 def time_variant(forward, x, params, grad):
-    """(fwd ms, fwd+bwd ms) of ``forward(x)``; grads of ``x`` and ``params`` are reset between runs."""
+    """(fwd ms, fwd+bwd ms, fwd+bwd host ms) of ``forward(x)``; grads of ``x`` and ``params`` are reset between runs."""
     leaves = [x, *params]
     fwd = bench(lambda: forward(x), leaves)
     fwd_bwd = bench(lambda: forward(x).backward(grad), leaves)
-    return fwd, fwd_bwd
+    return fwd, fwd_bwd, host_ms(lambda: forward(x).backward(grad), leaves)
 
 
 def make_variants(k, n, m, r, scaling, weights, device="cuda", dtype=torch.bfloat16):
@@ -82,12 +103,13 @@ def main() -> None:
         raise SystemExit("This benchmark needs a CUDA GPU.")
     device, dtype, scaling = "cuda", torch.bfloat16, 2.0
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | r={args.r}")
-    header = f"{'K->N':>12} {'M':>6} {'variant':>15} {'fwd ms':>8} {'fwd+bwd':>8} {'fwd x':>6} {'f+b x':>6}"
+    header = f"{'K->N':>12} {'M':>6} {'variant':>15} {'fwd ms':>8} {'fwd+bwd':>8} {'fwd x':>6} {'f+b x':>6} {'host':>6}"
     print(header + "\n" + "-" * len(header))
     failures = []
     for k, n in SHAPES:
         weights = make_weights(k, n, device, dtype)
         dq_ms = bench(lambda nf4=weights[0]: dequantize(nf4, dtype), None)
+        dq_host = host_ms(lambda nf4=weights[0]: dequantize(nf4, dtype), [], iters=200)
         for m in args.m:
             x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
             grad = torch.randn(m, n, device=device, dtype=dtype)
@@ -97,13 +119,14 @@ def main() -> None:
                     results[name] = time_variant(forward, x, params, grad)
                 except Exception as err:  # keep the table going if one baseline is unavailable here
                     print(f"{k:>5}->{n:<6} {m:>6} {name:>15} failed: {type(err).__name__}: {err}")
-            ceil_fwd, ceil_fb = results["ceiling"]
-            for name, (fwd, fb) in results.items():
+            ceil_fwd, ceil_fb, _ = results["ceiling"]
+            for name, (fwd, fb, host) in results.items():
                 row = f"{k:>5}->{n:<6} {m:>6} {name:>15} {fwd:8.3f} {fb:8.3f} {fwd / ceil_fwd:6.2f} {fb / ceil_fb:6.2f}"
+                row += f" {host:6.3f}"
                 print(row)
                 if name == "fastlora" and m == TARGET_M and fb / ceil_fb > TARGET_RATIO:
                     failures.append(f"{k}->{n} M={m}: fwd+bwd {fb / ceil_fb:.3f}x the ceiling")
-        print(f"{k:>5}->{n:<6} {'':>6} {'dequant nf4':>15} {dq_ms:8.3f}")
+        print(f"{k:>5}->{n:<6} {'':>6} {'dequant nf4':>15} {dq_ms:8.3f} (host {dq_host * 1e3:.1f} us per call)")
         del weights
         torch.cuda.empty_cache()
     print(f"\nTarget: fastlora fwd+bwd at M={TARGET_M} <= {TARGET_RATIO:.2f}x the bf16 ceiling per shape.")

@@ -35,7 +35,18 @@ class FastLoraLinear4bit(FastLoraLayer):
     def quantized_weight(self) -> Packed4bit:
         base = self.get_base_layer()
         _restore_standard_packing(base)
-        return packed4bit_from_bnb(base.weight.data, base.weight.quant_state)
+        weight = base.weight
+        if torch.compiler.is_compiling():  # data_ptr() is opaque to dynamo; compiled graphs don't need the cache
+            return packed4bit_from_bnb(weight.data, weight.quant_state)
+        # Reuse the container while the weight is the same storage with the same quant_state: the kernels cache
+        # their validated launch arguments on it, which keeps per-call host time down. A merge, a device move or a
+        # new quant_state changes the key.
+        key = (weight.data.data_ptr(), weight.data.device, id(weight.quant_state), id(weight.quant_state.absmax))
+        cached = self.__dict__.get("_packed_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, packed4bit_from_bnb(weight.data, weight.quant_state))
+            self.__dict__["_packed_cache"] = cached
+        return cached[1]
 
     def store_weight(self, weight: torch.Tensor) -> None:
         base = self.get_base_layer()
@@ -57,7 +68,16 @@ class FastLoraLinear8bit(FastLoraLayer):
     """FastLoRA over ``bnb.nn.Linear8bitLt`` (weight-only int8: ``W = CB * SCB / 127``, no activation quantization)."""
 
     def quantized_weight(self) -> Int8Rowwise:
-        return int8_from_bnb(self.get_base_layer().weight)
+        weight = self.get_base_layer().weight
+        if torch.compiler.is_compiling():
+            return int8_from_bnb(weight)
+        scb = getattr(weight, "SCB", None)
+        key = (weight.data.data_ptr(), weight.data.device, None if scb is None else scb.data_ptr())
+        cached = self.__dict__.get("_int8_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, int8_from_bnb(weight))
+            self.__dict__["_int8_cache"] = cached
+        return cached[1]
 
     def store_weight(self, weight: torch.Tensor) -> None:
         base = self.get_base_layer()

@@ -14,22 +14,26 @@ contracted into an FMA (that would change the last bit). The ``@triton.jit`` hel
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from ._launch import _is_interpreted, launch
 from .quant_state import Int8Rowwise, Packed4bit, QuantizedWeight
 from .reference import INT8_INV_127
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# 4-bit tiling: each thread turns its packed bytes into exactly one 16-byte store (4 bytes -> 8 fp16/bf16 values,
-# 2 bytes -> 4 fp32 values). Any other ratio makes Triton 3.9 shuffle the interleaved values through shared memory
-# (Triton 3.6 shuffles in any case: its gather layout differs).
-_NUM_WARPS = 8
+# 4-bit tiling, from the sweep of ``benchmarks/gpu_kernel_smoke.py --sweep`` (H200, Triton 3.6, bf16 out, layout 0):
+# 16 packed bytes per thread x 4 warps reached 70% (4096x4096) and 87% (14336x4096) of a d2d copy, against 57% and 63%
+# for the former 4 bytes x 8 warps; layouts 1 (pairs) and 2 (per element) were 2-40x slower. fp32 outputs take half
+# the bytes per thread (same registers; not swept).
+_NUM_WARPS = 8  # int8 kernel
+_NUM_WARPS_4BIT = 4
+_BYTES_PER_THREAD = 16  # for 2-byte outputs; 8 for fp32
+_LAYOUT = 0
 # int8: elements per program.
 _INT8_BLOCK = 4096
 # Kernels may only read globals that are constexpr.
@@ -117,13 +121,15 @@ def _dequant_4bit_kernel(
     NESTED_BLOCKSIZE: tl.constexpr,
     ROWS: tl.constexpr,  # the program's bytes seen as a (ROWS, COLS) tile where each row lies inside one
     COLS: tl.constexpr,  # absmax block, so one scale is loaded per row instead of per byte
+    LAYOUT: tl.constexpr,  # how the two values of a byte reach memory: 0 interleave, 1 pairs, 2 per element
     INTERPRET: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     first_byte = pid * (ROWS * COLS)
     row_start = first_byte + tl.arange(0, ROWS) * COLS  # (ROWS,)
     offs_b = row_start[:, None] + tl.arange(0, COLS)[None, :]  # (ROWS, COLS)
-    packed = tl.load(data_ptr + offs_b, mask=offs_b < n_bytes, other=0)
+    if LAYOUT != 2:
+        packed = tl.load(data_ptr + offs_b, mask=offs_b < n_bytes, other=0)
 
     scale = _load_absmax(
         absmax_ptr,
@@ -135,12 +141,24 @@ def _dequant_4bit_kernel(
         NESTED,
         NESTED_BLOCKSIZE,
     )[:, None]
-    high, low = _decode_nibbles(packed, code_ptr)
     out_ty = out_ptr.dtype.element_ty
-    values = tl.interleave(_round_to(high * scale, out_ty, INTERPRET), _round_to(low * scale, out_ty, INTERPRET))
-
-    offs_o = 2 * row_start[:, None] + tl.arange(0, 2 * COLS)[None, :]
-    tl.store(out_ptr + offs_o, values, mask=offs_o < n_elements)
+    if LAYOUT == 0:  # interleave: each thread's values of its bytes are contiguous -> one wide store
+        high, low = _decode_nibbles(packed, code_ptr)
+        values = tl.interleave(_round_to(high * scale, out_ty, INTERPRET), _round_to(low * scale, out_ty, INTERPRET))
+        offs_o = 2 * row_start[:, None] + tl.arange(0, 2 * COLS)[None, :]
+        tl.store(out_ptr + offs_o, values, mask=offs_o < n_elements)
+    elif LAYOUT == 1:  # pairs: (ROWS, COLS, 2) stored as is, no reshape (so no register shuffle), 2-wide stores
+        high, low = _decode_nibbles(packed, code_ptr)
+        values = tl.join(_round_to(high * scale, out_ty, INTERPRET), _round_to(low * scale, out_ty, INTERPRET))
+        offs_o = 2 * offs_b[:, :, None] + tl.arange(0, 2)[None, None, :]
+        tl.store(out_ptr + offs_o, values, mask=offs_o < n_elements)
+    else:  # per element: every value re-reads its byte (L1 hit), no join at all; contiguous stores
+        cols_o = tl.arange(0, 2 * COLS)[None, :]  # (1, 2 * COLS)
+        offs_o = 2 * row_start[:, None] + cols_o
+        byte = tl.load(data_ptr + row_start[:, None] + cols_o // 2, mask=offs_o < n_elements, other=0).to(tl.int32)
+        nibble = (byte >> (4 - (cols_o % 2) * 4)) & 0xF  # even element: high nibble
+        values = _round_to(tl.load(code_ptr + nibble) * scale, out_ty, INTERPRET)
+        tl.store(out_ptr + offs_o, values, mask=offs_o < n_elements)
 
 
 @triton.jit
@@ -165,20 +183,13 @@ def _dequant_int8_kernel(
     tl.store(out_ptr + offs, _round_to(values, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
-def _is_interpreted(kernel) -> bool:
-    return type(kernel).__name__ == "InterpretedFunction"
-
-
-def _launch_context(device: torch.device):
-    """Launches on ``device`` (not the current CUDA device); CPU tensors need the Triton interpreter."""
-    if device.type == "cuda":
-        return torch.cuda.device(device)
-    if not _is_interpreted(_dequant_4bit_kernel):
+def _require_launchable(device: torch.device) -> None:
+    """CPU tensors need the Triton interpreter; say so instead of failing inside Triton."""
+    if device.type != "cuda" and not _is_interpreted(_dequant_4bit_kernel):
         raise RuntimeError(
             f"Triton kernels need CUDA tensors, got tensors on {device}. Set `TRITON_INTERPRET=1` before importing "
             "triton to run them on CPU, or use `peft_fastlora.ops.reference` instead."
         )
-    return contextlib.nullcontext()
 
 
 def _check_dtype(dtype: torch.dtype, name: str = "dtype") -> None:
@@ -260,47 +271,65 @@ def _nested_args(weight: Packed4bit) -> tuple:
     return weight.absmax, weight.absmax, weight.absmax, 1
 
 
-def _launch_dequant_4bit(
-    weight: Packed4bit,
-    data: torch.Tensor,
-    out: torch.Tensor,
-    block_bytes: Optional[int] = None,
-    num_warps: int = _NUM_WARPS,
-) -> None:
-    """Launches the 4-bit kernel on a checked weight; ``block_bytes``/``num_warps`` are exposed for benchmarks."""
-    if block_bytes is None:  # the interpreter is fastest with few, large programs
-        interpreted = _is_interpreted(_dequant_4bit_kernel)
-        block_bytes = 8192 if interpreted else (8 // out.element_size()) * 32 * num_warps
+def _cached(weight: QuantizedWeight, key: tuple, build):
+    """``build()``, memoized on the (frozen) weight container under ``key``.
+
+    Validation and launch arguments depend only on the container's fields, so they are computed once per container and
+    output dtype; ``key`` also holds the data pointers, so a storage swapped in place (``t.data = ...``) is re-checked.
+    """
+    cache = weight.__dict__.get("_fastlora_launch_cache")
+    if cache is None:
+        cache = {}
+        object.__setattr__(weight, "_fastlora_launch_cache", cache)  # frozen dataclass: no field, just memo
+    plan = cache.get(key)
+    if plan is None:
+        plan = cache[key] = build()
+    return plan
+
+
+def _plan_4bit(
+    weight: Packed4bit, dtype: torch.dtype, block_bytes=None, num_warps=_NUM_WARPS_4BIT, layout=None
+) -> tuple:
+    """(device, grid, args before ``out``, args after ``out``, launch options) of a checked 4-bit weight."""
+    _check_dtype(dtype)
+    data = check_packed4bit(weight)
+    _require_launchable(data.device)
+    layout = _LAYOUT if layout is None else layout
+    if block_bytes is None:
+        if _is_interpreted(_dequant_4bit_kernel):  # the interpreter is fastest with few, large programs
+            block_bytes = 8192
+        else:
+            bytes_per_thread = _BYTES_PER_THREAD * 2 // torch.empty((), dtype=dtype).element_size()
+            block_bytes = bytes_per_thread * 32 * num_warps
     n = weight.numel
     n_bytes = (n + 1) // 2
     half_block = weight.blocksize // 2
     cols = min(half_block, block_bytes)  # powers of two, so cols divides block_bytes and half_block
     nested_code, nested_absmax, offset, nested_blocksize = _nested_args(weight)
     grid = (triton.cdiv(n_bytes, block_bytes),)
-    with _launch_context(data.device):
-        _dequant_4bit_kernel[grid](
-            data,
-            weight.absmax,
-            weight.code,
-            nested_code,
-            nested_absmax,
-            offset,
-            out,
-            n,
-            n_bytes,
-            HALF_BLOCK=half_block,
-            NESTED=weight.nested,
-            NESTED_BLOCKSIZE=nested_blocksize,
-            ROWS=block_bytes // cols,
-            COLS=cols,
-            INTERPRET=_is_interpreted(_dequant_4bit_kernel),
-            num_warps=num_warps,
-            enable_fp_fusion=False,
-        )
+    before = (data, weight.absmax, weight.code, nested_code, nested_absmax, offset)
+    after = (n, n_bytes, half_block, weight.nested, nested_blocksize, block_bytes // cols, cols, layout)
+    after += (_is_interpreted(_dequant_4bit_kernel),)
+    return data.device, grid, before, after, dict(num_warps=num_warps, enable_fp_fusion=False)
+
+
+def _launch_dequant_4bit(
+    weight: Packed4bit,
+    data: torch.Tensor,
+    out: torch.Tensor,
+    block_bytes: Optional[int] = None,
+    num_warps: int = _NUM_WARPS_4BIT,
+    layout: Optional[int] = None,
+) -> None:
+    """Launches the 4-bit kernel with an explicit tiling (benchmarks and tests; ``data`` is unused, kept for them)."""
+    device, grid, before, after, options = _plan_4bit(weight, out.dtype, block_bytes, num_warps, layout)
+    launch(_dequant_4bit_kernel, grid, before + (out,) + after, device, **options)
 
 
 def dequantize_4bit(weight: Packed4bit, dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Dequantizes a 4-bit NF4/FP4 weight in one Triton launch, bit-exact with [`dequantize_4bit_ref`].
+
+    The weight is validated on its first use per output dtype (the result is memoized on the container).
 
     Args:
         weight ([`Packed4bit`]): The packed weight (any storage dtype, any blocksize, optionally double-quantized).
@@ -311,14 +340,27 @@ def dequantize_4bit(weight: Packed4bit, dtype: torch.dtype, out: Optional[torch.
     Returns:
         `torch.Tensor`: The ``(out_features, in_features)`` weight in ``dtype`` (``out`` when given).
     """
-    _check_dtype(dtype)
-    data = check_packed4bit(weight)
+    key = (dtype, weight.data.data_ptr(), weight.absmax.data_ptr())
+    device, grid, before, after, options = _cached(weight, key, lambda: _plan_4bit(weight, dtype))
     if out is None:
-        out = torch.empty(weight.shape, dtype=dtype, device=data.device)
+        out = torch.empty(weight.shape, dtype=dtype, device=device)
     else:
-        _check_out(out, weight.shape, dtype, data.device)
-    _launch_dequant_4bit(weight, data, out)
+        _check_out(out, weight.shape, dtype, device)
+    launch(_dequant_4bit_kernel, grid, before + (out,) + after, device, **options)
     return out
+
+
+def _plan_int8(weight: Int8Rowwise, dtype: torch.dtype) -> tuple:
+    _check_dtype(dtype)
+    check_int8(weight)
+    device = weight.device
+    _require_launchable(device)
+    n_rows, n_cols = weight.shape
+    block_k = min(triton.next_power_of_2(max(n_cols, 1)), _INT8_BLOCK)
+    block_n = _INT8_BLOCK // block_k
+    grid = (triton.cdiv(n_rows, block_n), triton.cdiv(n_cols, block_k))
+    after = (n_rows, n_cols, block_n, block_k, _is_interpreted(_dequant_int8_kernel))
+    return device, grid, (weight.cb, weight.scb), after, dict(num_warps=_NUM_WARPS, enable_fp_fusion=False)
 
 
 def dequantize_int8(weight: Int8Rowwise, dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -332,31 +374,15 @@ def dequantize_int8(weight: Int8Rowwise, dtype: torch.dtype, out: Optional[torch
     Returns:
         `torch.Tensor`: The weight in ``dtype`` (``out`` when given).
     """
-    _check_dtype(dtype)
-    check_int8(weight)
-    n_rows, n_cols = weight.shape
+    key = (dtype, weight.cb.data_ptr(), weight.scb.data_ptr())
+    device, grid, before, after, options = _cached(weight, key, lambda: _plan_int8(weight, dtype))
     if out is None:
-        out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+        out = torch.empty(weight.shape, dtype=dtype, device=device)
     else:
-        _check_out(out, weight.shape, dtype, weight.device)
+        _check_out(out, weight.shape, dtype, device)
     if out.numel() == 0:
         return out
-    block_k = min(triton.next_power_of_2(n_cols), _INT8_BLOCK)
-    block_n = _INT8_BLOCK // block_k
-    grid = (triton.cdiv(n_rows, block_n), triton.cdiv(n_cols, block_k))
-    with _launch_context(weight.device):
-        _dequant_int8_kernel[grid](
-            weight.cb,
-            weight.scb,
-            out,
-            n_rows,
-            n_cols,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            INTERPRET=_is_interpreted(_dequant_int8_kernel),
-            num_warps=_NUM_WARPS,
-            enable_fp_fusion=False,
-        )
+    launch(_dequant_int8_kernel, grid, before + (out,) + after, device, **options)
     return out
 
 

@@ -31,14 +31,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ._launch import launch
 from .dequant import (
     _INV_127,
     SUPPORTED_DTYPES,
+    _cached,
     _decode_absmax,
     _decode_nibbles,
     _is_interpreted,
-    _launch_context,
     _nested_args,
+    _require_launchable,
     _round_to,
     check_int8,
     check_packed4bit,
@@ -443,20 +445,31 @@ def _check_inputs(x, weight, bias, lora_a, lora_b, lora_x) -> None:
         raise ValueError(f"`lora_x` must have the shape of `x` {tuple(x.shape)}, got {tuple(lora_x.shape)}.")
 
 
-def _weight_args(weight: QuantizedWeight, block_k: int) -> tuple[tuple, dict]:
-    """Kernel pointer arguments and constexprs describing ``weight``."""
+def _weight_args(weight: QuantizedWeight, block_k: int) -> tuple[tuple, tuple]:
+    """Kernel pointer arguments and constexprs (WEIGHT_KIND, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB) of ``weight``.
+
+    Checked once per container and ``block_k`` (memoized on it, like the dequant launch plans).
+    """
+    if isinstance(weight, Int8Rowwise):
+        key = ("small_m", block_k, weight.cb.data_ptr(), weight.scb.data_ptr())
+    elif isinstance(weight, Packed4bit):
+        key = ("small_m", block_k, weight.data.data_ptr(), weight.absmax.data_ptr())
+    else:
+        raise TypeError(f"`weight` must be a Packed4bit or Int8Rowwise, got {type(weight).__name__}.")
+    return _cached(weight, key, lambda: _build_weight_args(weight, block_k))
+
+
+def _build_weight_args(weight: QuantizedWeight, block_k: int) -> tuple[tuple, tuple]:
     if isinstance(weight, Int8Rowwise):
         check_int8(weight)
         cb = weight.cb
-        meta = dict(WEIGHT_KIND=_KIND_INT8, BLOCKSIZE=1, NESTED=False, NESTED_BLOCKSIZE=1, SUB=block_k)
+        meta = (_KIND_INT8, 1, False, 1, block_k)  # WEIGHT_KIND, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB
         return (cb, weight.scb, weight.scb, weight.scb, weight.scb, weight.scb, cb.stride(0)), meta
-    if not isinstance(weight, Packed4bit):
-        raise TypeError(f"`weight` must be a Packed4bit or Int8Rowwise, got {type(weight).__name__}.")
     data = check_packed4bit(weight)
     k, bs = weight.shape[1], weight.blocksize
     kind = _KIND_4BIT_ALIGNED if k % bs == 0 else _KIND_4BIT_ANY
     nested_code, nested_absmax, offset, nested_bs = _nested_args(weight)
-    meta = dict(WEIGHT_KIND=kind, BLOCKSIZE=bs, NESTED=weight.nested, NESTED_BLOCKSIZE=nested_bs, SUB=min(bs, block_k))
+    meta = (kind, bs, weight.nested, nested_bs, min(bs, block_k))
     return (data, weight.absmax, weight.code, nested_code, nested_absmax, offset, k // 2), meta
 
 
@@ -489,43 +502,43 @@ def _launch(
     has_lora = xa is not None
     r = xa.shape[1] if has_lora else 0
     interpret = _is_interpreted(_fused_small_m_kernel)
-    with _launch_context(x2d.device):
-        _fused_small_m_kernel[grid](
-            x2d,
-            *w_args[:6],
-            bias if bias is not None else out,
-            xa if has_lora else out,
-            lora_b if has_lora else out,
-            out,
-            partial,
-            arrivals,
-            m,
-            n,
-            k,
-            r,
-            float(scaling),
-            x2d.stride(0),
-            w_args[6],
-            xa.stride(0) if has_lora else 0,
-            lora_b.stride(0) if has_lora else 0,
-            out.stride(0),
-            k_per_split,
-            **w_meta,
-            HAS_BIAS=bias is not None,
-            HAS_LORA=has_lora,
-            USE_DOT=config.use_dot,
-            DOT_FP32=interpret or x2d.dtype == torch.float32,
-            LORA_DOT_FP32=interpret or (has_lora and xa.dtype == torch.float32),
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            BLOCK_R=max(16, triton.next_power_of_2(r)),
-            SPLIT_K=split_k,
-            INTERPRET=interpret,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-            enable_fp_fusion=False,  # W must be dequantized exactly (no FMA in the nested scale decode)
-        )
+    _require_launchable(x2d.device)
+    args = (
+        x2d,
+        *w_args[:6],
+        bias if bias is not None else out,
+        xa if has_lora else out,
+        lora_b if has_lora else out,
+        out,
+        partial,
+        arrivals,
+        m,
+        n,
+        k,
+        r,
+        float(scaling),
+        x2d.stride(0),
+        w_args[6],
+        xa.stride(0) if has_lora else 0,
+        lora_b.stride(0) if has_lora else 0,
+        out.stride(0),
+        k_per_split,
+        *w_meta,  # WEIGHT_KIND, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB
+        bias is not None,  # HAS_BIAS
+        has_lora,  # HAS_LORA
+        config.use_dot,  # USE_DOT
+        interpret or x2d.dtype == torch.float32,  # DOT_FP32
+        interpret or (has_lora and xa.dtype == torch.float32),  # LORA_DOT_FP32
+        block_m,
+        block_n,
+        block_k,
+        max(16, triton.next_power_of_2(r)),  # BLOCK_R
+        split_k,
+        interpret,
+    )
+    # enable_fp_fusion=False: W must be dequantized exactly (no FMA in the nested scale decode).
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=False)
+    launch(_fused_small_m_kernel, grid, args, x2d.device, **options)
     return out
 
 

@@ -12,7 +12,7 @@ import torch
 from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
 
 from peft_fastlora.bnb_weights import packed4bit_from_bnb
-from peft_fastlora.ops.dequant import dequantize, dequantize_4bit, dequantize_int8
+from peft_fastlora.ops.dequant import _launch_dequant_4bit, dequantize, dequantize_4bit, dequantize_int8
 from peft_fastlora.ops.quant_state import Int8Rowwise, Packed4bit
 from peft_fastlora.ops.reference import dequantize_4bit_ref, dequantize_int8_ref
 
@@ -71,6 +71,39 @@ CPU_CASES = [
 def test_dequantize_4bit_bit_exact(quant_type, nested, blocksize, storage, shape, dtype):
     weight, q, st = make_4bit(shape, quant_type, nested, blocksize, storage)
     assert_4bit_exact(weight, q, st, dtype)
+
+
+# (block_bytes, num_warps): blocks smaller than, equal to and larger than an absmax block (blocksize 64 = 32 bytes).
+TILINGS = [(16, 1), (64, 2), (512, 4)]
+
+
+@pytest.mark.parametrize("layout", [0, 1, 2], ids=["interleave", "pairs", "per-element"])
+@pytest.mark.parametrize("block_bytes,num_warps", TILINGS if DEVICE == "cpu" else [(1024, 8), (2048, 4), (4096, 4)])
+@pytest.mark.parametrize("quant_type,nested,blocksize,storage,shape", [CPU_CASES[0], CPU_CASES[5]], ids=str)
+def test_every_layout_and_tiling_is_bit_exact(
+    quant_type, nested, blocksize, storage, shape, block_bytes, num_warps, layout
+):
+    """The tilings and output layouts that the benchmark sweep may pick as defaults (odd sizes: masked tails)."""
+    weight, q, st = make_4bit(shape, quant_type, nested, blocksize, storage)
+    for dtype in (torch.bfloat16, torch.float32):
+        out = torch.full(weight.shape, float("nan"), dtype=dtype, device=DEVICE)
+        _launch_dequant_4bit(weight, None, out, block_bytes, num_warps, layout)
+        assert torch.equal(out, dequantize_4bit_ref(weight, dtype))
+
+
+def test_validation_is_memoized_per_container_and_dtype(monkeypatch):
+    """The second call with the same container and dtype skips validation; a new container is validated again."""
+    from peft_fastlora.ops import dequant as dequant_module
+
+    calls = []
+    real = dequant_module.check_packed4bit
+    monkeypatch.setattr(dequant_module, "check_packed4bit", lambda w: calls.append(w) or real(w))
+    weight, _, _ = make_4bit((8, 64), nested=True)
+    for dtype in (torch.bfloat16, torch.bfloat16, torch.float16, torch.bfloat16):
+        assert torch.equal(dequantize_4bit(weight, dtype), dequantize_4bit_ref(weight, dtype))
+    assert len(calls) == 2
+    assert torch.equal(dequantize_4bit(_replace(weight), torch.float16), dequantize_4bit_ref(weight, torch.float16))
+    assert len(calls) == 3
 
 
 @pytest.mark.parametrize("dtype", OUT_DTYPES, ids=str)

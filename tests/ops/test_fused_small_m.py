@@ -4,8 +4,9 @@ Two checks per result:
 
 * against ``lora_linear_ref`` with a per-dtype ``(atol, rtol)``. Inputs are scaled so outputs are O(1). The reference
   rounds twice in ``x.dtype`` (``x @ W.T + bias``, then ``+ LoRA``) and rounds the LoRA term to the adapter dtype; the
-  kernel keeps everything in fp32 and rounds once. Each rounding is <= 1/2 ulp, so the two can differ by ~1.5 ulp of
-  ``x.dtype`` (bf16: 2**-7 at |y| in [1, 2)), plus fp32 summation-order noise (~1e-6) that only matters for fp32.
+  kernel keeps everything in fp32 and rounds once. Each rounding is <= 1/2 ulp of the value it rounds, so where the
+  terms cancel (a result near 0 from terms of size ~1) the two differ by ulps of the *terms*, not of the result:
+  ``check`` then allows the sum of those roundings, computed element by element from the terms' magnitudes.
 * against the exact fp64 value of the same math (W dequantized to ``x.dtype``): the kernel must be within one
   rounding (unit roundoff ``u`` of ``x.dtype``) plus a worst-case fp32 accumulation bound. This proves the kernel
   rounds once and that W is rounded to ``x.dtype`` exactly as the reference does.
@@ -55,10 +56,18 @@ def make_inputs(lead, n, k, dtype, r=8, bias=True, lora=True, lora_x=True, adapt
 
 
 def check(y, x, weight, bias, lora_a, lora_b, scaling, lora_x, atol, rtol):
+    """Asserts ``y`` against ``lora_linear_ref`` (roundings bounded term by term) and against the exact fp64 value.
+
+    ``atol``/``rtol`` (per dtype, from ``TOLERANCES``) bound the comparison where the terms do not cancel. Where they
+    do (a result near 0 made of terms of size ~1), the reference's intermediate roundings dominate: it rounds
+    ``x @ W.T + bias`` to ``x.dtype`` (<= u * |base|), computes the LoRA term in the adapter dtype (xa, the product and
+    the scaling each round: <= 3 u_a * |s| |xa| @ |B|.T) and casts it (<= u * |lora|), then rounds the sum; the
+    kernel rounds once. So the allowed error is ``atol + rtol * |expected|`` or that sum of roundings (each u * the
+    magnitude of the term it rounds) plus the fp32 accumulation bound of both sides, whichever is larger.
+    """
     n = weight.shape[0]
     assert y.shape == (*x.shape[:-1], n) and y.dtype == x.dtype and y.device == x.device
     expected = lora_linear_ref(x, weight, bias, lora_a, lora_b, scaling, lora_x)
-    torch.testing.assert_close(y, expected, atol=atol, rtol=rtol)
 
     # fp64 oracle of the kernel's math: W and bias rounded to x.dtype, xa = lora_x @ A.T in the adapter dtype.
     w = dequantize_ref(weight, x.dtype).double()
@@ -66,16 +75,33 @@ def check(y, x, weight, bias, lora_a, lora_b, scaling, lora_x, atol, rtol):
     exact, magnitude = x64 @ w.T, x64.abs() @ w.abs().T
     if bias is not None:
         exact, magnitude = exact + bias.to(x.dtype).double(), magnitude + bias.to(x.dtype).double().abs()
+    base_abs = exact.abs()  # |x @ W.T + bias|: what the reference rounds first
+    lora_mag = torch.zeros_like(exact)
+    u_a = 0.0
     if lora_a is not None:
         lx = (x if lora_x is None else lora_x).reshape(-1, x.shape[-1])
         xa = F.linear(lx.to(lora_a.dtype), lora_a).double()
         b64 = lora_b.to(lora_a.dtype).double()
         exact = exact + scaling * (xa @ b64.T)
-        magnitude = magnitude + abs(scaling) * (xa.abs() @ b64.abs().T)
+        lora_mag = abs(scaling) * (xa.abs() @ b64.abs().T)
+        magnitude = magnitude + lora_mag
+        u_a = UNIT_ROUNDOFF[lora_a.dtype]
     u = UNIT_ROUNDOFF[x.dtype]
     accumulation = (x.shape[-1] + lora_a.shape[0] + 2 if lora_a is not None else x.shape[-1] + 1) * 2.0**-24
-    bound = u * exact.abs() + (1 + u) * accumulation * magnitude + 1e-30
-    error = (y.double().reshape(exact.shape) - exact).abs()
+    accumulation = (1 + u) * accumulation * magnitude
+
+    exp64, y64 = expected.double().reshape(exact.shape), y.double().reshape(exact.shape)
+    roundings = u * (base_abs + exp64.abs() + y64.abs()) + (3 * u_a + u) * lora_mag + 2 * accumulation
+    allowed = torch.maximum(atol + rtol * exp64.abs(), roundings)
+    excess = (y64 - exp64).abs() - allowed
+    worst = [int(i) for i in torch.unravel_index(excess.argmax(), excess.shape)]
+    assert (excess <= 0).all(), (
+        f"{int((excess > 0).sum())} of {excess.numel()} elements differ from lora_linear_ref by more than the "
+        f"reference's roundings allow; worst excess {excess.max().item():.3g} at {worst}"
+    )
+
+    bound = u * exact.abs() + accumulation + 1e-30
+    error = (y64 - exact).abs()
     assert (error <= bound).all(), f"not within one rounding of the exact result: max excess {(error - bound).max()}"
 
 
@@ -240,3 +266,15 @@ def test_gpu_split_k_is_deterministic(config):
     check(first, x, weight, bias, a, b, 2.0, None, *TOLERANCES[2][1:])
     for _ in range(50):
         assert torch.equal(_launch(x, weight, bias, xa, b, 2.0, config), first)
+
+
+def test_check_still_fails_on_a_real_error():
+    """The cancellation-aware bound must not hide an error of a few ulps of the result."""
+    weight = make_weight("nf4-64-nested", N, K)
+    x, bias, a, b, lx = make_inputs((3,), N, K, torch.bfloat16)
+    y = fused_lora_linear_small_m(x, weight, bias, a, b, 0.5, lx)
+    check(y, x, weight, bias, a, b, 0.5, lx, *TOLERANCES[2][1:])
+    bad = y.clone()
+    bad[1, 7] += 0.125 + 0.125 * bad[1, 7].abs()  # ~16 ulp of an O(1) bf16 value
+    with pytest.raises(AssertionError, match="differ from lora_linear_ref"):
+        check(bad, x, weight, bias, a, b, 0.5, lx, *TOLERANCES[2][1:])

@@ -1,0 +1,70 @@
+"""Low-overhead Triton launches for kernels called on every training step.
+
+``kernel[grid](...)`` costs tens of microseconds of Python per call (Triton 3.6-3.9 bind every argument, read its
+knobs and build a cache key from strings), which is as long as the 4096x4096 dequant itself. Here the first launch of
+a given specialization goes through ``kernel[grid]`` (compiling if needed) and keeps the returned ``CompiledKernel``;
+later launches call its launcher directly (``CompiledKernel.run``, the same call and arguments that
+``JITFunction.run`` makes in Triton 3.6 and 3.9).
+
+The cache key covers everything Triton specializes on, and more: the device, every tensor argument's dtype and 16-byte
+alignment, every int/bool/constexpr argument by value, floats by type, and the launch options. It is keyed by device,
+so a kernel compiled for (loaded on) one GPU is never launched on another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+
+_COMPILED: dict = {}  # (kernel, device index, specialization key, options) -> CompiledKernel
+
+
+def _is_interpreted(kernel) -> bool:
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def _specialization(args: tuple) -> tuple:
+    return tuple(
+        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else ("f" if isinstance(a, float) else a)
+        for a in args
+    )
+
+
+def _launch_hooks_set() -> bool:
+    """Whether a launch hook is installed (Triton 3.6+: ``HookChain`` objects, older: a callable or None)."""
+    runtime = triton.knobs.runtime
+    return any(getattr(h, "calls", h) for h in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+
+
+def device_context(device: torch.device):
+    """Makes ``device`` current for the launch, skipping the switch when it already is (the usual case)."""
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def launch(kernel, grid: tuple, args: tuple, device: torch.device, **options) -> None:
+    """Launches ``kernel`` on ``device`` with ``args`` = every kernel parameter in order (constexprs included).
+
+    ``options`` are launch options (``num_warps``, ``enable_fp_fusion``, ...). Interpreted kernels and Triton launch
+    hooks (e.g. a profiler's) always take the regular ``kernel[grid]`` path.
+    """
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    if _is_interpreted(kernel):
+        kernel[grid](*args, **options)
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (kernel, index, _specialization(args), tuple(sorted(options.items())))
+    compiled = _COMPILED.get(key)
+    with device_context(device):
+        if compiled is None or _launch_hooks_set():
+            compiled = kernel[grid](*args, **options)
+            if compiled is not None and not hasattr(compiled, "result"):  # skip async-compile futures
+                _COMPILED[key] = compiled
+            return
+        stream = torch._C._cuda_getCurrentRawStream(index)
+        compiled.run(
+            grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *args
+        )
