@@ -11,6 +11,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from .bnb_weights import int8_from_bnb, packed4bit_from_bnb
+from .distributed import restore_quant_state
 from .layer import FastLoraLayer
 from .ops.quant_state import Int8Rowwise, Packed4bit
 
@@ -34,6 +35,7 @@ class FastLoraLinear4bit(FastLoraLayer):
 
     def quantized_weight(self) -> Packed4bit:
         base = self.get_base_layer()
+        restore_quant_state(base)  # FSDP swaps in a plain all-gathered tensor without bitsandbytes' quant_state
         _restore_standard_packing(base)
         weight = base.weight
         if torch.compiler.is_compiling():  # data_ptr() is opaque to dynamo; compiled graphs don't need the cache

@@ -16,6 +16,7 @@ from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 
 from . import ops
+from .distributed import fsdp_wraps_adapters
 from .guard import clamp_fp16
 from .ops.quant_state import QuantizedWeight
 
@@ -127,10 +128,15 @@ class FastLoraLayer(nn.Module, LoraLayer):
             adapters = [a for a in self.active_adapters if a in self.lora_A]
         self._restore_adapter_dtypes(adapters)
 
-        if adapter_names is not None or not adapters:
+        if adapter_names is not None or not adapters or fsdp_wraps_adapters(self, adapters):
+            # Base through the kernels; LoRA through the adapter modules (mixed batches, or FSDP units that only
+            # gather their weights inside their own forward).
             result = ops.fastlora_linear(x, weight, bias, None, None, 1.0)
             if adapter_names is not None:
                 result = self._add_mixed_batch(result, x, adapter_names, adapters)
+            else:
+                for adapter in adapters:
+                    result = result + self._lora_delta(x, adapter, result.dtype)
         else:
             first = adapters[0]
             result = ops.fastlora_linear(

@@ -8,6 +8,7 @@ from peft.tuners.lora import LoraModel
 from torch import nn
 
 from .bnb import DISPATCHERS
+from .distributed import maybe_prepare_for_fsdp
 from .dtypes import apply_adapter_dtype_policy
 from .layer import FastLoraLayer
 
@@ -32,6 +33,7 @@ class FastLoraModel(LoraModel):
     def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
         # The adapter_dtype policy replaces PEFT's autocast_adapter_dtype upcast, whatever its value.
         apply_adapter_dtype_policy(self.model, adapter_name, self.peft_config[adapter_name].adapter_dtype)
+        maybe_prepare_for_fsdp(self)  # under an FSDP launch: one dtype for adapters and quant storage (logged)
 
     def merge_and_unload(
         self,

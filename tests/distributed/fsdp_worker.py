@@ -1,0 +1,146 @@
+"""FSDP2 check, launched by ``torchrun --nproc-per-node 2 -m tests.distributed.fsdp_worker --model M --out D``.
+
+For each scenario (see ``_common``; FSDP scenarios need ``st``, a float ``bnb_4bit_quant_storage``):
+``prepare_for_fsdp`` -> ``fully_shard`` every decoder layer and the root (``MixedPrecisionPolicy(param_dtype=storage)``
+with ``mp``) -> save the adapter with ``peft_fastlora.distributed.save_adapter`` -> train ``STEPS`` steps -> save
+again. Rank 0 then repeats it in one process without FSDP and compares: the initial saves must be identical (files,
+config, tensors bit for bit), the trained adapters equal within the scenario's tolerance.
+Writes ``fsdp-<scenario>.json`` to D.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import torch.distributed as dist  # noqa: E402
+
+from tests.distributed import _common as C  # noqa: E402
+
+DEFAULT_SCENARIOS = "fp32-st-a32,bf16-st-a32-mp-gc-mts,fp32-st-leaf"
+
+
+def compare_saved(got: Path, ref: Path, tolerance=None) -> dict:
+    """Same files, same ``adapter_config.json``, same tensor keys/dtypes/shapes; values equal (or within tolerance)."""
+    from safetensors.torch import load_file
+
+    files_got = sorted(p.name for p in got.iterdir())
+    files_ref = sorted(p.name for p in ref.iterdir())
+    result = {"files": files_got, "same_files": files_got == files_ref}
+    result["same_config"] = json.loads((got / "adapter_config.json").read_text()) == json.loads(
+        (ref / "adapter_config.json").read_text()
+    )
+    result["same_readme"] = (got / "README.md").read_text() == (ref / "README.md").read_text()
+    t_got, t_ref = load_file(got / "adapter_model.safetensors"), load_file(ref / "adapter_model.safetensors")
+    result["same_keys"] = sorted(t_got) == sorted(t_ref)
+    result["same_dtypes_shapes"] = result["same_keys"] and all(
+        (t_got[k].dtype, t_got[k].shape) == (t_ref[k].dtype, t_ref[k].shape) for k in t_ref
+    )
+    result["dtypes"] = sorted({str(t.dtype) for t in t_got.values()})
+    if not result["same_dtypes_shapes"]:
+        result["ok"] = False
+        return result
+    if tolerance is None:
+        result["values"] = {"ok": all(torch.equal(t_got[k], t_ref[k]) for k in t_ref), "exact": True}
+    else:
+        result["values"] = C.compare({k: v.float() for k, v in t_got.items()},
+                                     {k: v.float() for k, v in t_ref.items()}, tolerance)
+    result["ok"] = all(result[k] for k in ("same_files", "same_config", "same_readme")) and result["values"]["ok"]
+    return result
+
+
+def shard(model, scenario: C.Scenario, device: torch.device) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=scenario.dtype, reduce_dtype=scenario.dtype) if (
+        scenario.mixed_precision
+    ) else MixedPrecisionPolicy()
+    if scenario.adapter_units:
+        for name, module in model.named_modules():
+            if name.rsplit(".", 2)[-2:-1] in (["lora_A"], ["lora_B"]):
+                fully_shard(module, mp_policy=policy)
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def run_scenario(model_path: str, scenario: C.Scenario, device: torch.device, rank: int, world: int, out: Path):
+    from peft_fastlora.distributed import prepare_for_fsdp, save_adapter
+
+    C.set_kernel_path(scenario, device)
+    lines = _Lines()
+    logging.getLogger("peft_fastlora.distributed").addHandler(lines)
+    model = C.build_model(model_path, scenario, device)
+    prepare_for_fsdp(model)
+    logging.getLogger("peft_fastlora.distributed").removeHandler(lines)
+    adapter_dtypes = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
+    shard(model, scenario, device)
+    save_dir = out / f"fsdp-{scenario.name}"
+    save_adapter(model, save_dir / "init")
+    stats = C.train(model, C.make_batches(model.config.vocab_size), rank, world, device)
+    trained = C.adapter_tensors(model)  # gathers the shards: every rank
+    save_adapter(model, save_dir / "trained")
+    result = {"ok": True, "world_size": world, "device": str(device), "adapter_dtypes": adapter_dtypes,
+              "prepare_log": lines.lines, **stats}
+    if rank == 0:
+        ref = C.run_reference(model_path, scenario, device, prepare=prepare_for_fsdp)
+        ref_model = C.build_model(model_path, scenario, device)  # untrained twin for the initial save
+        prepare_for_fsdp(ref_model)
+        ref_model.save_pretrained(save_dir / "init-single")
+        ref["model"].save_pretrained(save_dir / "trained-single")
+        result["reference_losses"] = ref["losses"]
+        result["comparison"] = C.compare(trained, ref["trained"], scenario.tolerance)
+        result["update_size"] = C.update_size(ref["trained"], ref["initial"])
+        result["save_init"] = compare_saved(save_dir / "init", save_dir / "init-single")
+        result["save_trained"] = compare_saved(save_dir / "trained", save_dir / "trained-single", scenario.tolerance)
+        result["ok"] = bool(
+            result["comparison"]["ok"] and result["save_init"]["ok"] and result["save_trained"]["ok"]
+            and not stats["no_grad_params"]
+        )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--scenarios", default=DEFAULT_SCENARIOS)
+    args = parser.parse_args()
+
+    device = C.worker_device()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=180))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for name in args.scenarios.split(","):
+        scenario = C.Scenario.parse(name)
+        try:
+            result = run_scenario(args.model, scenario, device, rank, world, args.out)
+        except Exception as err:  # record and go on: the other scenarios still tell something
+            result = C.error_result(err)
+            print(f"[rank {rank}] scenario {name} failed:\n{result['traceback']}", flush=True)
+        if rank == 0 or not result["ok"]:
+            C.write_result(args.out, "fsdp" if rank == 0 else f"fsdp-rank{rank}", name, result)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
