@@ -9,8 +9,10 @@
 | ``"fp32"``         | fp32         | fp32         | fp32         |
 
 fp16 compute gets fp32 adapters because torch's GradScaler refuses to unscale fp16 (and, on CUDA, bf16) gradients.
-The compute dtype of a ``Linear4bit`` is its ``compute_dtype``; a ``Linear8bitLt`` has none, so the model's dtype is
-used (the dtype the model was loaded in, ``model.dtype``); any other layer uses its own weight dtype.
+The compute dtype of a ``Linear4bit`` is its ``compute_dtype`` (``bnb_4bit_compute_dtype``), except in an fp16 model,
+where it is fp16: FastLoRA computes in the activation dtype, so an fp16 model trains with fp16 gradients whatever
+``bnb_4bit_compute_dtype`` says. A ``Linear8bitLt`` has no compute dtype, so the model's dtype is used (the dtype the
+model was loaded in, ``model.dtype``); any other layer uses its own weight dtype.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ def layer_compute_dtype(base_layer: torch.nn.Module, model_dtype: Optional[torch
 
     fallback = model_dtype if model_dtype in FLOAT_DTYPES else torch.float32
     if isinstance(base_layer, bnb.nn.Linear4bit):
+        # FastLoRA computes in the activation dtype: an fp16 model runs fp16 whatever bnb_4bit_compute_dtype says,
+        # and fp16 activations mean fp16 gradients and GradScaler.
+        if model_dtype == torch.float16:
+            return torch.float16
         compute = getattr(base_layer, "compute_dtype", None)
         return compute if compute in FLOAT_DTYPES else fallback
     if isinstance(base_layer, bnb.nn.Linear8bitLt):

@@ -48,6 +48,7 @@ class FastLoraLayer(nn.Module, LoraLayer):
         self.fan_in_fan_out = False
         # Resolved `adapter_dtype` per adapter, filled by `peft_fastlora.dtypes.apply_adapter_dtype_policy`.
         self.adapter_dtypes: dict[str, torch.dtype] = {}
+        self._recast_warned = False
         self.overflow_guard = bool(getattr(config, "fp16_overflow_guard", False))
         self.register_buffer("overflow_count", torch.zeros((), dtype=torch.int64), persistent=False)
         self._active_adapter = adapter_name
@@ -106,7 +107,9 @@ class FastLoraLayer(nn.Module, LoraLayer):
             for module in (self.lora_A[adapter], self.lora_B[adapter]):
                 found = module.weight.dtype
                 if policy is not None and found != policy:
-                    warnings.warn(RECAST_WARNING.format(adapter=adapter, found=found, policy=policy), stacklevel=3)
+                    if not self._recast_warned:  # once per layer; Python's filter folds the layers into one
+                        warnings.warn(RECAST_WARNING.format(adapter=adapter, found=found, policy=policy), stacklevel=3)
+                        self._recast_warned = True
                     module.to(policy)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -197,7 +200,9 @@ class FastLoraLayer(nn.Module, LoraLayer):
         from .dtypes import layer_compute_dtype
 
         base = self.get_base_layer()
-        dtype = layer_compute_dtype(base, getattr(self, "model_dtype", None))
+        # The merged layer must take the activations the model feeds it: the model's dtype when known.
+        model_dtype = getattr(self, "model_dtype", None)
+        dtype = model_dtype if model_dtype is not None else layer_compute_dtype(base, None)
         weight = self.dequantized_weight(torch.float32)
         if self.merged:  # the quantized weight already contains these; take them out first
             for adapter in self.merged_adapters:

@@ -11,6 +11,7 @@ from .bnb import DISPATCHERS
 from .distributed import maybe_prepare_for_fsdp
 from .dtypes import apply_adapter_dtype_policy
 from .layer import FastLoraLayer
+from .trainer_check import register_fp16_autocast_check
 
 
 class FastLoraModel(LoraModel):
@@ -21,6 +22,12 @@ class FastLoraModel(LoraModel):
     """
 
     prefix: str = "lora_"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # fp16 training with adapters GradScaler cannot unscale fails here with a message naming `adapter_dtype`,
+        # not deep inside GradScaler (the hook removes itself after the first training forward).
+        register_fp16_autocast_check(self)
 
     @staticmethod
     def _create_new_module(lora_config, adapter_name, target, **kwargs):

@@ -25,9 +25,18 @@ def test_resolve_rejects_unknown_policy():
 
 
 @pytest.mark.parametrize("compute", [FP16, BF16, FP32])
-def test_4bit_compute_dtype_comes_from_the_layer(compute):
+@pytest.mark.parametrize("model_dtype", [BF16, FP32])
+def test_4bit_compute_dtype_comes_from_the_layer(compute, model_dtype):
     layer = bnb.nn.Linear4bit(16, 8, compute_dtype=compute)
-    assert layer_compute_dtype(layer, model_dtype=BF16 if compute != BF16 else FP16) == compute
+    assert layer_compute_dtype(layer, model_dtype=model_dtype) == compute
+
+
+@pytest.mark.parametrize("compute", [BF16, FP32])
+def test_4bit_layer_of_an_fp16_model_computes_in_fp16(compute):
+    """FastLoRA computes in the activation dtype: fp16 model -> fp16 gradients, whatever bnb_4bit_compute_dtype is."""
+    layer = bnb.nn.Linear4bit(16, 8, compute_dtype=compute)
+    assert layer_compute_dtype(layer, model_dtype=FP16) == FP16
+    assert resolve_adapter_dtype("fp32-if-fp16", layer_compute_dtype(layer, model_dtype=FP16)) == FP32
 
 
 @pytest.mark.parametrize("model_dtype", [FP16, BF16, FP32])
