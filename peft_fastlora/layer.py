@@ -50,7 +50,8 @@ class FastLoraLayer(nn.Module, LoraLayer):
         self.adapter_dtypes: dict[str, torch.dtype] = {}
         self._recast_warned = False
         self.overflow_guard = bool(getattr(config, "fp16_overflow_guard", False))
-        self.register_buffer("overflow_count", torch.zeros((), dtype=torch.int64), persistent=False)
+        device = next((t.device for t in base_layer.parameters()), None)
+        self.register_buffer("overflow_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
 
@@ -118,6 +119,8 @@ class FastLoraLayer(nn.Module, LoraLayer):
         if self.disable_adapters and self.merged:
             self.unmerge()
         guard = self.overflow_guard and x.dtype == torch.float16
+        if guard and self.overflow_count.device != x.device:  # layers placed after creation (device_map, .to)
+            self.overflow_count = self.overflow_count.to(x.device)
         if guard:
             x = clamp_fp16(x, self.overflow_count)
 
