@@ -97,8 +97,8 @@ def test_unquantized_base_card(tiny_llama_path, tmp_path):
 
 
 def test_mixed_dtypes_are_listed_per_layer_count(tiny_llama_path, tmp_path):
-    """lm_head stays unquantized (fp16 -> fp32 adapter) next to 4-bit bf16-compute layers (-> bf16 adapters)."""
-    base = load_quantized(tiny_llama_path, dtype=FP16, compute_dtype=BF16)
+    """lm_head stays unquantized (fp32 -> fp32 adapter) next to 4-bit bf16-compute layers (-> bf16 adapters)."""
+    base = load_quantized(tiny_llama_path, dtype=torch.float32, compute_dtype=BF16)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PEFT: "Setting `save_embedding_layers` to `True`"
