@@ -12,7 +12,7 @@ from torch import nn
 
 from .bnb_weights import int8_from_bnb, packed4bit_from_bnb
 from .distributed import restore_quant_state
-from .layer import FastLoraLayer
+from .layer import WEIGHT_CACHE, FastLoraLayer
 from .ops.quant_state import Int8Rowwise, Packed4bit
 
 
@@ -44,10 +44,10 @@ class FastLoraLinear4bit(FastLoraLayer):
         # their validated launch arguments on it, which keeps per-call host time down. A merge, a device move or a
         # new quant_state changes the key.
         key = (weight.data.data_ptr(), weight.data.device, id(weight.quant_state), id(weight.quant_state.absmax))
-        cached = self.__dict__.get("_packed_cache")
+        cached = self.__dict__.get(WEIGHT_CACHE)
         if cached is None or cached[0] != key:
             cached = (key, packed4bit_from_bnb(weight.data, weight.quant_state))
-            self.__dict__["_packed_cache"] = cached
+            self.__dict__[WEIGHT_CACHE] = cached
         return cached[1]
 
     def store_weight(self, weight: torch.Tensor) -> None:
@@ -75,10 +75,10 @@ class FastLoraLinear8bit(FastLoraLayer):
             return int8_from_bnb(weight)
         scb = getattr(weight, "SCB", None)
         key = (weight.data.data_ptr(), weight.data.device, None if scb is None else scb.data_ptr())
-        cached = self.__dict__.get("_int8_cache")
+        cached = self.__dict__.get(WEIGHT_CACHE)
         if cached is None or cached[0] != key:
             cached = (key, int8_from_bnb(weight))
-            self.__dict__["_int8_cache"] = cached
+            self.__dict__[WEIGHT_CACHE] = cached
         return cached[1]
 
     def store_weight(self, weight: torch.Tensor) -> None:

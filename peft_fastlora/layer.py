@@ -31,6 +31,10 @@ RECAST_WARNING = (
 )
 
 
+# Attribute holding ``(key, container)`` of the last quantized-weight container a backend built (see bnb.py).
+WEIGHT_CACHE = "_fastlora_weight_cache"
+
+
 class FastLoraLayer(nn.Module, LoraLayer):
     """A LoRA layer whose base is a quantized linear layer; subclasses define the quantization backend.
 
@@ -54,6 +58,12 @@ class FastLoraLayer(nn.Module, LoraLayer):
         self.register_buffer("overflow_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
+
+    def _apply(self, fn, *args, **kwargs):
+        # `.to()`, `.cuda()`, `.half()` ... replace the weight tensors: drop the container that still references the
+        # old ones, so they are freed now rather than at the next forward.
+        self.__dict__.pop(WEIGHT_CACHE, None)
+        return super()._apply(fn, *args, **kwargs)
 
     # ---- backend hooks -------------------------------------------------------------------------------------------
     def quantized_weight(self) -> QuantizedWeight:

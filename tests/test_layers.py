@@ -201,3 +201,14 @@ def test_module_level_8bit_with_fp16_weights_keeps_peft_layer():
 def test_stock_lora_config_still_uses_peft_layers(tiny_llama_path):
     model = get_peft_model(quantized(tiny_llama_path, "nf4"), LoraConfig(r=4, target_modules=["down_proj"]))
     assert not any(isinstance(m, peft_fastlora.FastLoraLayer) for m in model.modules())
+
+
+def test_weight_container_is_reused_and_dropped_on_move(tiny_llama_path):
+    from peft_fastlora.layer import WEIGHT_CACHE
+
+    layer = first_layer(get_peft_model(quantized(tiny_llama_path, "nf4"), fast_config()))
+    first = layer.quantized_weight()
+    assert layer.quantized_weight() is first  # validated launch arguments live on the container
+    layer.to("cpu")
+    assert WEIGHT_CACHE not in layer.__dict__
+    assert layer.quantized_weight() is not first
