@@ -226,6 +226,14 @@ def read_results(out_dir: Path, kind: str) -> dict[str, dict]:
     return {p.stem.removeprefix(kind + "-"): json.loads(p.read_text()) for p in out_dir.glob(f"{kind}-*.json")}
 
 
+def off_device_tensors(model, device: torch.device) -> list[str]:
+    """Parameters and buffers not on ``device``: DDP broadcasts them all at wrap time, and NCCL has no CPU backend
+    (``RuntimeError: No backend type associated with device type cpu``, seen on the GPUs before the overflow counter
+    was created on the layer's device)."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return [f"{n} ({t.device})" for n, t in named if t.device != device]
+
+
 def worker_device() -> torch.device:
     """``cuda:LOCAL_RANK`` when CUDA is usable and not disabled with ``FASTLORA_DIST_CPU=1``, else CPU."""
     if torch.cuda.is_available() and os.environ.get("FASTLORA_DIST_CPU", "0") != "1":

@@ -47,6 +47,9 @@ def run_scenario(model_path: str, scenario: C.Scenario, device: torch.device, ra
 
     C.set_kernel_path(scenario, device)
     model = C.build_model(model_path, scenario, device)
+    stray = C.off_device_tensors(model, device)
+    if stray:
+        raise RuntimeError(f"{len(stray)} parameters/buffers are not on {device}; DDP cannot broadcast: {stray[:5]}")
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=False)
     stats = C.train(ddp, C.make_batches(model.config.vocab_size), rank, world, device)
     mine = C.adapter_tensors(model)

@@ -29,8 +29,9 @@ from tests.distributed import _common as C  # noqa: E402
 DEFAULT_SCENARIOS = "fp32-st-a32,bf16-st-a32-mp-gc-mts,fp32-st-leaf"
 
 
-def compare_saved(got: Path, ref: Path, tolerance=None) -> dict:
-    """Same files, same ``adapter_config.json``, same tensor keys/dtypes/shapes; values equal (or within tolerance)."""
+def compare_saved(got: Path, ref: Path, exact_to=None) -> dict:
+    """Same files, same ``adapter_config.json``, same tensor keys/dtypes/shapes as ``ref``; values equal to ``ref``'s
+    bit for bit, or (``exact_to``: fp32 tensors by key) to ``exact_to`` after the same upcast."""
     from safetensors.torch import load_file
 
     files_got = sorted(p.name for p in got.iterdir())
@@ -49,11 +50,11 @@ def compare_saved(got: Path, ref: Path, tolerance=None) -> dict:
     if not result["same_dtypes_shapes"]:
         result["ok"] = False
         return result
-    if tolerance is None:
+    if exact_to is None:
         result["values"] = {"ok": all(torch.equal(t_got[k], t_ref[k]) for k in t_ref), "exact": True}
     else:
-        result["values"] = C.compare({k: v.float() for k, v in t_got.items()},
-                                     {k: v.float() for k, v in t_ref.items()}, tolerance)
+        same = sorted(t_got) == sorted(exact_to) and all(torch.equal(t_got[k].float(), exact_to[k]) for k in exact_to)
+        result["values"] = {"ok": same, "exact_to_model": True}
     result["ok"] = all(result[k] for k in ("same_files", "same_config", "same_readme")) and result["values"]["ok"]
     return result
 
@@ -71,6 +72,34 @@ def shard(model, scenario: C.Scenario, device: torch.device) -> None:
     for layer in model.base_model.model.model.layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
+
+
+def watch_packed_bytes(model) -> dict:
+    """Records, on the first forward of every 4-bit layer after sharding, how many bytes of the all-gathered packed
+    weight differ from the bytes it had before ``fully_shard``.
+
+    On the GPUs (torch 2.11), FSDP2's all-gather copy-in (``torch._foreach_copy_`` in the storage dtype, used when all
+    parameters of a unit share one dtype) rewrote every 16-bit word of packed 4-bit codes that reads as a NaN to the
+    canonical NaN; CPU copies are byte copies. Must stay 0.
+    """
+    from peft_fastlora.bnb import FastLoraLinear4bit
+
+    report = {"layers": 0, "bytes": 0, "changed_bytes": 0}
+    for module in model.modules():
+        if isinstance(module, FastLoraLinear4bit):
+            before = module.get_base_layer().weight.data.detach().view(torch.uint8).clone()
+
+            def check(layer, args, before=before):
+                if getattr(layer, "_bytes_checked", False):
+                    return
+                layer._bytes_checked = True
+                now = layer.get_base_layer().weight.data.detach().view(torch.uint8).reshape(before.shape)
+                report["layers"] += 1
+                report["bytes"] += before.numel()
+                report["changed_bytes"] += int((now != before).sum().item())
+
+            module.register_forward_pre_hook(check)
+    return report
 
 
 class _Lines(logging.Handler):
@@ -92,6 +121,7 @@ def run_scenario(model_path: str, scenario: C.Scenario, device: torch.device, ra
     prepare_for_fsdp(model)
     logging.getLogger("peft_fastlora.distributed").removeHandler(lines)
     adapter_dtypes = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
+    packed = watch_packed_bytes(model)
     shard(model, scenario, device)
     save_dir = out / f"fsdp-{scenario.name}"
     save_adapter(model, save_dir / "init")
@@ -99,7 +129,7 @@ def run_scenario(model_path: str, scenario: C.Scenario, device: torch.device, ra
     trained = C.adapter_tensors(model)  # gathers the shards: every rank
     save_adapter(model, save_dir / "trained")
     result = {"ok": True, "world_size": world, "device": str(device), "adapter_dtypes": adapter_dtypes,
-              "prepare_log": lines.lines, **stats}
+              "prepare_log": lines.lines, "packed_bytes": packed, **stats}
     if rank == 0:
         ref = C.run_reference(model_path, scenario, device, prepare=prepare_for_fsdp)
         ref_model = C.build_model(model_path, scenario, device)  # untrained twin for the initial save
@@ -110,10 +140,13 @@ def run_scenario(model_path: str, scenario: C.Scenario, device: torch.device, ra
         result["comparison"] = C.compare(trained, ref["trained"], scenario.tolerance)
         result["update_size"] = C.update_size(ref["trained"], ref["initial"])
         result["save_init"] = compare_saved(save_dir / "init", save_dir / "init-single")
-        result["save_trained"] = compare_saved(save_dir / "trained", save_dir / "trained-single", scenario.tolerance)
+        # The trained save is checked as a save: same files, config and keys as `save_pretrained`, and exactly the
+        # sharded model's own gathered tensors. How far training drifted from one process is `comparison`'s job (on
+        # the GPUs the old tolerance check here only repeated that comparison).
+        result["save_trained"] = compare_saved(save_dir / "trained", save_dir / "trained-single", exact_to=trained)
         result["ok"] = bool(
             result["comparison"]["ok"] and result["save_init"]["ok"] and result["save_trained"]["ok"]
-            and not stats["no_grad_params"]
+            and not stats["no_grad_params"] and packed["changed_bytes"] == 0 and packed["layers"] > 0
         )
     return result
 

@@ -149,3 +149,15 @@ def test_save_adapter_matches_save_pretrained(tiny_llama_path, tmp_path):
 def test_fsdp_wraps_adapters_is_false_without_fsdp(tiny_llama_path):
     model = _peft_model(tiny_llama_path)
     assert not fsdp_wraps_adapters(_first_4bit_layer(model), ["default"])
+
+
+def test_off_device_tensors_names_stray_buffers():
+    """The DDP worker's preflight names a buffer left on another device (NCCL cannot broadcast a CPU tensor)."""
+    import torch
+
+    from tests.distributed import _common as C
+
+    module = torch.nn.Linear(3, 2)
+    assert C.off_device_tensors(module, torch.device("cpu")) == []
+    module.register_buffer("counter", torch.zeros((), device="meta"))
+    assert C.off_device_tensors(module, torch.device("cpu")) == ["counter (meta)"]

@@ -13,7 +13,9 @@ training done in one process on the whole global batch (``_common.run_reference`
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 from pathlib import Path
 
 import torch
@@ -108,6 +110,9 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="train on CPU (gloo) even where CUDA is available")
     args = parser.parse_args()
     args.tag = args.tag or args.scenario
+    # A step killed by its time limit (the launcher forwards SIGTERM) prints where every rank was stuck; the GPU run's
+    # FSDP1 step timed out after training with no traceback at all.
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     rank = int(os.environ.get("RANK", "0"))
     try:
         result = run(args, C.Scenario.parse(args.scenario))
