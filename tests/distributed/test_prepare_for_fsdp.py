@@ -161,3 +161,16 @@ def test_off_device_tensors_names_stray_buffers():
     assert C.off_device_tensors(module, torch.device("cpu")) == []
     module.register_buffer("counter", torch.zeros((), device="meta"))
     assert C.off_device_tensors(module, torch.device("cpu")) == ["counter (meta)"]
+
+
+@pytest.mark.parametrize("cuda, storage, warns", [(True, torch.bfloat16, True), (False, torch.bfloat16, False),
+                                                  (True, torch.float32, False)])
+def test_fsdp2_packed_nan_warning_on_cuda_with_16bit_storage(tiny_llama_path, monkeypatch, cuda, storage, warns):
+    """The FSDP2 packed-word rewrite (seen on 2 x H200) is CUDA-only and only hits 16-bit storage: warn exactly then."""
+    model = _peft_model(tiny_llama_path, dtype=storage, storage=storage)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prepare_for_fsdp(model)
+    hits = [w for w in caught if "FSDP2" in str(w.message) and "NaN" in str(w.message)]
+    assert len(hits) == (1 if warns else 0)
