@@ -226,7 +226,9 @@ def run_generation(model, args, device: torch.device, vocab: int) -> dict:
         return model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                               do_sample=False, pad_token_id=0)  # fmt: skip
 
-    generate(min(8, args.gen_tokens))  # warm-up: kernels compiled and autotuned, caches allocated
+    # Warm up with the full length: every new KV length can pick (and, for cuDNN attention, build) new kernels, and a
+    # short warm-up left that cost in the first provider's timed run.
+    generate(args.gen_tokens)
     C.sync(device)
     start = time.perf_counter()
     out = generate(args.gen_tokens)
