@@ -6,12 +6,14 @@ Importing the package registers ``PeftType.FASTLORA`` with PEFT, so ``get_peft_m
 
 from . import _registry
 from .config import FastLoraConfig
+from .distributed import prepare_for_fsdp
 from .dtypes import ADAPTER_DTYPE_POLICIES, resolve_adapter_dtype
 from .export import export_lora, load_lora_as_fastlora
 from .guard import overflow_report
 from .layer import FastLoraLayer
 from .model import FastLoraModel
 from .model_card import update_model_card
+from .trainer_check import FastLoraFp16Callback
 
 _registry.check_peft_version()
 _registry.register_method(FastLoraConfig, FastLoraModel)
@@ -21,10 +23,12 @@ __version__ = "0.1.0"
 __all__ = [
     "ADAPTER_DTYPE_POLICIES",
     "FastLoraConfig",
+    "FastLoraFp16Callback",
     "FastLoraLayer",
     "FastLoraModel",
     "export_lora",
     "load_lora_as_fastlora",
     "overflow_report",
+    "prepare_for_fsdp",
     "resolve_adapter_dtype",
 ]
