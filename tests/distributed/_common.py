@@ -241,3 +241,34 @@ def worker_device() -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def worker_main(kind: str, run_scenario, default_scenarios: str) -> None:
+    """The torchrun entry point shared by the workers: runs each ``--scenarios`` entry with ``run_scenario(model_dir,
+    scenario, device, rank, world, out_dir)`` and writes rank 0's results (and any failing rank's) as ``kind``."""
+    import argparse
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--scenarios", default=default_scenarios)
+    args = parser.parse_args()
+
+    device = worker_device()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=180))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for name in args.scenarios.split(","):
+        scenario = Scenario.parse(name)
+        try:
+            result = run_scenario(args.model, scenario, device, rank, world, args.out)
+        except Exception as err:  # record and go on: the other scenarios still tell something
+            result = error_result(err)
+            print(f"[rank {rank}] scenario {name} failed:\n{result['traceback']}", flush=True)
+        if rank == 0 or not result["ok"]:
+            write_result(args.out, kind if rank == 0 else f"{kind}-rank{rank}", name, result)
+        dist.barrier()
+    dist.destroy_process_group()

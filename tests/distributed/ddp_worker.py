@@ -8,9 +8,7 @@ compare the adapters. Writes ``ddp-<scenario>.json`` to D.
 
 from __future__ import annotations
 
-import argparse
 import os
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -79,28 +77,7 @@ def run_scenario(model_path: str, scenario: C.Scenario, device: torch.device, ra
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--scenarios", default=DEFAULT_SCENARIOS)
-    args = parser.parse_args()
-
-    device = C.worker_device()
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=180))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    for name in args.scenarios.split(","):
-        scenario = C.Scenario.parse(name)
-        try:
-            result = run_scenario(args.model, scenario, device, rank, world, args.out)
-        except Exception as err:  # record and go on: the other scenarios still tell something
-            result = C.error_result(err)
-            print(f"[rank {rank}] scenario {name} failed:\n{result['traceback']}", flush=True)
-        if rank == 0 or not result["ok"]:
-            C.write_result(args.out, "ddp" if rank == 0 else f"ddp-rank{rank}", name, result)
-        dist.barrier()
-    dist.destroy_process_group()
-
+    C.worker_main("ddp", run_scenario, DEFAULT_SCENARIOS)
 
 if __name__ == "__main__":
     main()
