@@ -171,3 +171,21 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def assert_all_finite(tensors: dict[str, Optional[torch.Tensor]]) -> None:
     bad = [name for name, t in tensors.items() if t is None or not torch.isfinite(t).all()]
     assert not bad, f"missing or non-finite: {bad[:5]}"
+
+
+def trainer_kwargs(tmp_path, device: str, precision: str, steps: int) -> dict:
+    """The ``TrainingArguments`` (or TRL ``SFTConfig``) fields the safety tests share: small, quiet, seeded runs."""
+    return dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=steps,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        use_cpu=device == "cpu",
+        fp16=precision == "fp16",
+        bf16=precision == "bf16",
+        seed=0,
+    )

@@ -25,7 +25,7 @@ from peft_fastlora.trainer_check import (
 )
 
 from .conftest import CPU, CUDA
-from .helpers import fastlora, load, stock_lora, token_batch, trainable
+from .helpers import fastlora, load, stock_lora, token_batch, trainable, trainer_kwargs
 
 STEPS = 20
 MAX_SKIPPED_STEPS = 3  # GradScaler may skip the first steps while it finds its scale; more means overflowing grads
@@ -48,20 +48,7 @@ def _dataset() -> list[dict[str, torch.Tensor]]:
 
 
 def _args(tmp_path, device: str, precision: str, steps: int = STEPS) -> TrainingArguments:
-    return TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        max_steps=steps,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-        use_cpu=device == CPU,
-        fp16=precision == "fp16",
-        bf16=precision == "bf16",
-        seed=0,
-    )
+    return TrainingArguments(**trainer_kwargs(tmp_path, device, precision, steps))
 
 
 def _train(model, tmp_path, device: str, precision: str, callbacks=()):

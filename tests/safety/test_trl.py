@@ -27,7 +27,7 @@ import torch
 from peft_fastlora.layer import FastLoraLayer
 
 from .conftest import CPU, CUDA
-from .helpers import fastlora, load, recast_warnings, recorded_warnings, token_batch, trainable
+from .helpers import fastlora, load, recast_warnings, recorded_warnings, token_batch, trainable, trainer_kwargs
 
 TRL_CAST_SOURCE = "param.data = param.data.to(torch.bfloat16)"
 
@@ -106,20 +106,7 @@ def _sft_trainer(model, tmp_path, device: str, steps: int, precision: str):
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     ids = token_batch(batch=32)
-    args = trl.SFTConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        max_steps=steps,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-        use_cpu=device == CPU,
-        fp16=precision == "fp16",
-        bf16=precision == "bf16",
-        seed=0,
-    )
+    args = trl.SFTConfig(**trainer_kwargs(tmp_path, device, precision, steps))
     dataset = datasets.Dataset.from_dict({"input_ids": ids.tolist()})
     return trl.SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=_tiny_tokenizer())
 
