@@ -402,3 +402,16 @@ def parse_csv_arg(value: Optional[str]) -> Optional[list[str]]:
     if value is None:
         return None
     return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def run_finalize_steps(steps) -> None:
+    """Runs ``(name, fn)`` steps (tables, targets, plots) in order; a failing step is reported and the rest still run,
+    so one broken plot never costs the measured CSVs."""
+    import traceback
+
+    for name, step in steps:
+        try:
+            step()
+        except Exception:
+            print(f"!! finalize step {name!r} failed:", flush=True)
+            traceback.print_exc()

@@ -536,12 +536,7 @@ def finalize(bench_rows, dq_rows, shapes, out, env, hbm, log=None, dq_log=None) 
                                             env, "== targets (kernels issue) ==")),
         ("plots", lambda: plot_all(bench_rows, dq_rows, shapes, out, env, hbm)),
     ]
-    for name, step in steps:
-        try:
-            step()
-        except Exception:
-            print(f"!! finalize step {name!r} failed:", flush=True)
-            traceback.print_exc()
+    C.run_finalize_steps(steps)
 
 
 # ---- main ----------------------------------------------------------------------------------------------------------

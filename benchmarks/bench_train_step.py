@@ -398,12 +398,7 @@ def finalize(rows, gen_rows, out, env, log=None, gen_log=None, reference=False) 
                                             "== targets (end-to-end issue) ==")),
         ("plots", lambda: plot_all(rows, gen_rows, out, env)),
     ]
-    for name, step in steps:
-        try:
-            step()
-        except Exception:
-            print(f"!! finalize step {name!r} failed:", flush=True)
-            traceback.print_exc()
+    C.run_finalize_steps(steps)
 
 
 # ---- main --------------------------------------------------------------------------------------------------------
