@@ -3,7 +3,8 @@
 Builds a tiny Llama in code, quantizes it to 4-bit NF4 with bitsandbytes, trains a FastLoRA adapter on a few dozen
 synthetic samples, saves the adapter (with its model card), reloads it and generates.
 
-    python examples/quickstart.py            # seconds on 2 idle CPU cores; uses the GPU when there is one
+    python examples/quickstart.py            # seconds on 2 idle CPU cores (it picks a GPU if there is one;
+                                             # that path has not been run on a GPU yet)
 """
 
 from __future__ import annotations
