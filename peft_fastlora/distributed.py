@@ -34,6 +34,8 @@ from typing import Union
 import torch
 from torch import nn
 
+from .dtypes import override_adapter_dtype
+
 logger = logging.getLogger(__name__)
 
 FLOAT_STORAGE = (torch.float16, torch.bfloat16, torch.float32)
@@ -167,8 +169,6 @@ def prepare_for_fsdp(model: nn.Module, strict: bool = True) -> nn.Module:
     Returns:
         The same model.
     """
-    from .layer import FastLoraLayer
-
     try:
         storages = _storage_dtypes(model)
         if not storages:
@@ -213,14 +213,8 @@ def prepare_for_fsdp(model: nn.Module, strict: bool = True) -> nn.Module:
 
     if torch.cuda.is_available() and target in (torch.bfloat16, torch.float16):
         warnings.warn(FSDP2_PACKED_NAN_WARNING.format(dtype=target), stacklevel=2)
-    recast = [p for p in model.parameters() if id(p) in adapters and p.dtype != target]
-    before = ", ".join(sorted({str(p.dtype) for p in recast}))
-    for param in recast:
-        param.data = param.data.to(target)  # same Parameter objects, so an optimizer built earlier still holds them
-    for module in model.modules():
-        if isinstance(module, FastLoraLayer):
-            for adapter in module.adapter_dtypes:
-                module.adapter_dtypes[adapter] = target
+    recast = override_adapter_dtype(model, target, adapters)
+    before = ", ".join(sorted({str(d) for d in recast}))
     if recast and _is_main_process():
         logger.warning(
             "peft_fastlora: FSDP: cast %d adapter parameters (adapter_dtype=%s gave %s) to %s, the "

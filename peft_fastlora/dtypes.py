@@ -108,3 +108,21 @@ def apply_adapter_dtype_policy(model: torch.nn.Module, adapter_name: str, policy
         if touched and hasattr(module, "adapter_dtypes"):
             module.adapter_dtypes[adapter_name] = dtype
             module.model_dtype = model_dtype
+
+
+def override_adapter_dtype(model: torch.nn.Module, dtype: torch.dtype, param_ids: set[int]) -> list[torch.dtype]:
+    """Casts the parameters whose ids are in ``param_ids`` to ``dtype`` and makes it every FastLoRA layer's policy
+    dtype, replacing what ``adapter_dtype`` resolved to (FSDP needs one dtype for everything it shards together).
+
+    Parameters stay the same objects (only ``.data`` changes). Returns the dtypes the cast parameters had.
+    """
+    recast = [p for p in model.parameters() if id(p) in param_ids and p.dtype != dtype]
+    before = [p.dtype for p in recast]
+    for param in recast:
+        param.data = param.data.to(dtype)
+    for module in model.modules():
+        policies = getattr(module, "adapter_dtypes", None)
+        if isinstance(policies, dict):
+            for adapter in policies:
+                policies[adapter] = dtype
+    return before
