@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 from peft import PeftModel
-from train_sft import PROMPT_TEMPLATE, build_char_tokenizer, char_tokenizer, quantization_config
+from train_sft import PROMPT_TEMPLATE, add_quantization_args, build_char_tokenizer, char_tokenizer, quantization_config
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import peft_fastlora  # noqa: F401  (registers PeftType.FASTLORA, so PeftModel can load FastLoRA adapters)
@@ -37,11 +37,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true", help="bf16 compute.")
     precision.add_argument("--fp16", action="store_true", help="fp16 compute.")
-    bits = parser.add_mutually_exclusive_group()
-    bits.add_argument("--4bit", dest="bits", action="store_const", const=4, help="4-bit base weights (default).")
-    bits.add_argument("--8bit", dest="bits", action="store_const", const=8, help="8-bit (int8) base weights.")
-    parser.add_argument("--quant-type", choices=("nf4", "fp4"), default="nf4", help="4-bit data type.")
-    parser.add_argument("--double-quant", action="store_true", help="Double-quantize the 4-bit absmax scales.")
+    add_quantization_args(parser)
     parser.add_argument(
         "--merge",
         action="store_true",

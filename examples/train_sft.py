@@ -150,6 +150,16 @@ class PadCollator:
         return {key: torch.tensor(value) for key, value in batch.items()}
 
 
+def add_quantization_args(parser: argparse.ArgumentParser) -> None:
+    """``--4bit/--8bit``, ``--quant-type`` and ``--double-quant``: how the base model is quantized (shared with
+    ``generate.py``, which must load the base the way it was trained)."""
+    bits = parser.add_mutually_exclusive_group()
+    bits.add_argument("--4bit", dest="bits", action="store_const", const=4, help="4-bit base weights (default).")
+    bits.add_argument("--8bit", dest="bits", action="store_const", const=8, help="8-bit (int8) base weights.")
+    parser.add_argument("--quant-type", choices=("nf4", "fp4"), default="nf4", help="4-bit data type.")
+    parser.add_argument("--double-quant", action="store_true", help="Double-quantize the 4-bit absmax scales.")
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="Model id or local path (default: a tiny random Llama).")
@@ -158,11 +168,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true", help="bf16 compute (model, bnb compute dtype, Trainer).")
     precision.add_argument("--fp16", action="store_true", help="fp16 compute with GradScaler (needs a CUDA GPU).")
-    bits = parser.add_mutually_exclusive_group()
-    bits.add_argument("--4bit", dest="bits", action="store_const", const=4, help="4-bit base weights (default).")
-    bits.add_argument("--8bit", dest="bits", action="store_const", const=8, help="8-bit (int8) base weights.")
-    parser.add_argument("--quant-type", choices=("nf4", "fp4"), default="nf4", help="4-bit data type.")
-    parser.add_argument("--double-quant", action="store_true", help="Double-quantize the 4-bit absmax scales.")
+    add_quantization_args(parser)
     parser.add_argument(
         "--adapter-dtype",
         choices=peft_fastlora.ADAPTER_DTYPE_POLICIES,
