@@ -34,19 +34,20 @@ class FastLoraLinear4bit(FastLoraLayer):
     """FastLoRA over ``bnb.nn.Linear4bit`` (NF4/FP4, any blocksize, double quantization, any ``quant_storage``)."""
 
     def quantized_weight(self) -> Packed4bit:
-        base = self.get_base_layer()
+        base = self._base()
         restore_quant_state(base)  # FSDP swaps in a plain all-gathered tensor without bitsandbytes' quant_state
         _restore_standard_packing(base)
         weight = base.weight
+        data, state = weight.data, weight.quant_state  # `.data` of a Params4bit costs a __torch_function__: once
         if torch.compiler.is_compiling():  # data_ptr() is opaque to dynamo; compiled graphs don't need the cache
-            return packed4bit_from_bnb(weight.data, weight.quant_state)
+            return packed4bit_from_bnb(data, state)
         # Reuse the container while the weight is the same storage with the same quant_state: the kernels cache
         # their validated launch arguments on it, which keeps per-call host time down. A merge, a device move or a
         # new quant_state changes the key.
-        key = (weight.data.data_ptr(), weight.data.device, id(weight.quant_state), id(weight.quant_state.absmax))
+        key = (data.data_ptr(), data.device, id(state), id(state.absmax))
         cached = self.__dict__.get(WEIGHT_CACHE)
         if cached is None or cached[0] != key:
-            cached = (key, packed4bit_from_bnb(weight.data, weight.quant_state))
+            cached = (key, packed4bit_from_bnb(data, state))
             self.__dict__[WEIGHT_CACHE] = cached
         return cached[1]
 
@@ -70,7 +71,7 @@ class FastLoraLinear8bit(FastLoraLayer):
     """FastLoRA over ``bnb.nn.Linear8bitLt`` (weight-only int8: ``W = CB * SCB / 127``, no activation quantization)."""
 
     def quantized_weight(self) -> Int8Rowwise:
-        weight = self.get_base_layer().weight
+        weight = self._base().weight
         if torch.compiler.is_compiling():
             return int8_from_bnb(weight)
         scb = getattr(weight, "SCB", None)

@@ -123,11 +123,23 @@ class FastLoraLayer(nn.Module, LoraLayer):
                         self._recast_warned = True
                     module.to(policy)
 
+    def _base(self) -> nn.Module:
+        """``get_base_layer()`` through ``_modules`` lookups: PEFT's version pays an AttributeError on every call."""
+        module = self
+        while (inner := module._modules.get("base_layer")) is not None:
+            module = inner
+        return module
+
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self._check_forward_args(x, *args, **kwargs)
+        # Runs once per layer per step (and per decoded token): keep the host work small, it is what the GPU waits on
+        # when the batch is small.
         adapter_names = kwargs.pop("adapter_names", None)
-        if self.disable_adapters and self.merged:
+        if adapter_names is not None:
+            self._check_forward_args(x, *args, adapter_names=adapter_names, **kwargs)
+        merged = bool(self.merged_adapters)
+        if self._disable_adapters and merged:
             self.unmerge()
+            merged = False
         guard = self.overflow_guard and x.dtype == torch.float16
         if guard and self.overflow_count.device != x.device:  # layers placed after creation (device_map, .to)
             self.overflow_count = self.overflow_count.to(x.device)
@@ -135,13 +147,14 @@ class FastLoraLayer(nn.Module, LoraLayer):
             x = clamp_fp16(x, self.overflow_count)
 
         weight = self.quantized_weight()
-        bias = self.get_base_layer().bias
-        if self.disable_adapters or self.merged:
+        bias = self._base().bias
+        if self._disable_adapters or merged:
             adapters = []
         elif adapter_names is not None:
             adapters = sorted({a for a in adapter_names if a in self.lora_A})
         else:
-            adapters = [a for a in self.active_adapters if a in self.lora_A]
+            active = self.active_adapter
+            adapters = [a for a in ((active,) if isinstance(active, str) else active) if a in self.lora_A]
         self._restore_adapter_dtypes(adapters)
 
         if adapter_names is not None or not adapters or fsdp_wraps_adapters(self, adapters):

@@ -6,7 +6,8 @@ Dispatch of [`fastlora_linear`]:
   with autocast off;
 - tensors not on CUDA: the pure-torch reference (plain autograd), unless ``PEFT_FASTLORA_FORCE_TRITON=1`` (tests run
   the Triton path under the interpreter that way);
-- no grad needed and at most ``SMALL_M_MAX`` rows: the fused small-M decode kernel;
+- no grad needed and at most as many rows as the measured crossover for this GPU and shape (``tuned.py``; else
+  ``SMALL_M_MAX``): the fused small-M decode kernel;
 - otherwise: [`LoraLinearFunction`] (dequantize + cuBLAS, W not saved for backward).
 
 Under ``torch.compile`` the Triton paths go through the ``torch.ops.peft_fastlora`` custom ops instead, so that
@@ -46,8 +47,15 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or _force_triton()
 
 
+def _fused():
+    """The fused small-M module, imported on first use (it imports Triton: only the Triton paths need it)."""
+    from . import fused_small_m
+
+    return fused_small_m
+
+
 def small_m_max() -> int:
-    """Largest number of rows (tokens) that the fused small-M kernel takes when no grad is needed."""
+    """Rows up to which the fused small-M kernel is used for a weight with no measured crossover (``tuned.py``)."""
     from .fused_small_m import SMALL_M_MAX  # imports Triton: only on the Triton paths
 
     return SMALL_M_MAX
@@ -83,15 +91,16 @@ def _dispatch(x, weight, bias, lora_a, lora_b, scaling, lora_x):
         lora_x = lora_x.to(x.dtype)
     scaling = float(scaling)
     compiling = torch.compiler.is_compiling()
-    if not _needs_grad(x, lora_x, lora_a, lora_b, bias) and x.numel() <= small_m_max() * x.shape[-1]:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not _needs_grad(x, lora_x, lora_a, lora_b, bias) and rows <= _fused().small_m_limit(weight, x.device):
         if compiling:
             fields = custom_ops.flatten_weight(weight)
             return custom_ops.lora_linear_small_m_op(x, bias, lora_a, lora_b, lora_x, scaling, *fields)
-        return custom_ops.fused_small_m_kernel()(x, weight, bias, lora_a, lora_b, scaling, lora_x)
+        return _fused().small_m_forward(x, weight, bias, lora_a, lora_b, scaling, lora_x)  # checked above
     if compiling:
         fields = custom_ops.flatten_weight(weight)
         return custom_ops.lora_linear_op(x, bias, lora_a, lora_b, lora_x, scaling, *fields)[0]
-    return LoraLinearFunction.apply(x, weight, bias, lora_a, lora_b, scaling, lora_x)
+    return LoraLinearFunction.apply(x, weight, bias, lora_a, lora_b, scaling, lora_x, False)  # checked above
 
 
 def fastlora_linear(

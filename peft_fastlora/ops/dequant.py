@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import _is_interpreted, launch
+from ._launch import _is_interpreted, cdiv, launch, next_power_of_2
 from .quant_state import Int8Rowwise, Packed4bit, QuantizedWeight
 from .reference import INT8_INV_127
 
@@ -57,6 +57,12 @@ def _round_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _mul_rn(a, b):
+    """``a * b`` in fp32, rounded once: PTX ``mul.rn`` is never fused with a following add (CUDA only)."""
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _decode_nibbles(packed, code_ptr):
     """uint8 codes -> (value of the high nibble, value of the low nibble) as fp32 ``code`` entries."""
     packed = packed.to(tl.int32)
@@ -75,12 +81,21 @@ def _decode_absmax(
     offset_ptr,
     NESTED: tl.constexpr,
     NESTED_BLOCKSIZE: tl.constexpr,
+    MUL_RN: tl.constexpr = False,
 ):
-    """fp32 scales from the stored absmax values (split from the load so the fused kernel can prefetch ``raw``)."""
+    """fp32 scales from the stored absmax values (split from the load so the fused kernel can prefetch ``raw``).
+
+    Two roundings (multiply, then add) like bitsandbytes. Kernels launched with ``enable_fp_fusion=False`` get that
+    from the compiler; ``MUL_RN`` (compiled kernels only, not the interpreter) makes the multiply a PTX ``mul.rn``,
+    which is never contracted into an FMA, so the caller may keep fp fusion on for the rest of its math.
+    """
     if NESTED:
         nested_scale = tl.load(nested_absmax_ptr + block_idx // NESTED_BLOCKSIZE, mask=mask, other=0.0)
-        # Two roundings (multiply, then add) like bitsandbytes; fp fusion is off so this is not an FMA.
-        scale = tl.load(nested_code_ptr + raw.to(tl.int32)) * nested_scale
+        nested_value = tl.load(nested_code_ptr + raw.to(tl.int32))
+        if MUL_RN:
+            scale = _mul_rn(nested_value, nested_scale)
+        else:
+            scale = nested_value * nested_scale
         scale = scale + tl.load(offset_ptr)
     else:
         scale = raw
@@ -306,7 +321,7 @@ def _plan_4bit(
     half_block = weight.blocksize // 2
     cols = min(half_block, block_bytes)  # powers of two, so cols divides block_bytes and half_block
     nested_code, nested_absmax, offset, nested_blocksize = _nested_args(weight)
-    grid = (triton.cdiv(n_bytes, block_bytes),)
+    grid = (cdiv(n_bytes, block_bytes),)
     before = (data, weight.absmax, weight.code, nested_code, nested_absmax, offset)
     after = (n, n_bytes, half_block, weight.nested, nested_blocksize, block_bytes // cols, cols, layout)
     after += (_is_interpreted(_dequant_4bit_kernel),)
@@ -356,9 +371,9 @@ def _plan_int8(weight: Int8Rowwise, dtype: torch.dtype) -> tuple:
     device = weight.device
     _require_launchable(device)
     n_rows, n_cols = weight.shape
-    block_k = min(triton.next_power_of_2(max(n_cols, 1)), _INT8_BLOCK)
+    block_k = min(next_power_of_2(max(n_cols, 1)), _INT8_BLOCK)
     block_n = _INT8_BLOCK // block_k
-    grid = (triton.cdiv(n_rows, block_n), triton.cdiv(n_cols, block_k))
+    grid = (cdiv(n_rows, block_n), cdiv(n_cols, block_k))
     after = (n_rows, n_cols, block_n, block_k, _is_interpreted(_dequant_int8_kernel))
     return device, grid, (weight.cb, weight.scb), after, dict(num_warps=_NUM_WARPS, enable_fp_fusion=False)
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._launch import launch
+from ._launch import cdiv, launch, next_power_of_2
 from .dequant import (
     _INV_127,
     SUPPORTED_DTYPES,
@@ -46,6 +46,7 @@ from .dequant import (
     check_packed4bit,
 )
 from .quant_state import Int8Rowwise, Packed4bit, QuantizedWeight
+from .tuned import tuned_config, tuned_crossover
 
 # Largest number of rows this path is meant for; the dispatcher (not this file) decides when to use it.
 SMALL_M_MAX = 16
@@ -68,6 +69,21 @@ class SmallMConfig:
     # 1 = no software pipelining: with more stages Triton's pipeliner also routes the per-element code-table
     # gathers through shared memory (cp.async), which costs more than the latency it hides here.
     num_stages: int = 1
+    # M = 1 with 4-bit rows of whole absmax blocks: sum code * x over each block, then multiply by the block's scale
+    # once (instead of scaling and rounding every weight). About half the instructions per weight; W is then not
+    # rounded to x.dtype before the multiply (more accurate than the reference, within the same tolerances).
+    factor_scales: bool = True
+
+    def __post_init__(self) -> None:
+        # Tuned configs may come from a user's JSON file (tuned.py): reject what the kernel cannot tile.
+        for name, low in (("block_n", 1), ("block_k", 16), ("num_warps", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low or value & (value - 1):
+                raise ValueError(f"SmallMConfig `{name}` must be a power of two >= {low}, got {value!r}.")
+        for name in ("split_k", "num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"SmallMConfig `{name}` must be an int >= 1, got {value!r}.")
 
 
 @triton.jit
@@ -132,6 +148,7 @@ def _decode_weight_tile(
     BLOCK_K: tl.constexpr,
     DTYPE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    MUL_RN: tl.constexpr,
 ):
     """The (BLOCK_N, BLOCK_K) tile from ``_load_weight_raw``, dequantized exactly and rounded to ``DTYPE``."""
     mask_n = offs_n < N
@@ -141,7 +158,8 @@ def _decode_weight_tile(
         block_idx = rows[:, None] * (K // BLOCKSIZE) + (sub_start // BLOCKSIZE)[None, :]
         scale_mask = mask_n[:, None] & (sub_start < k_end)[None, :]
         scale = _decode_absmax(
-            raw_scale, block_idx, scale_mask, nested_code_ptr, nested_absmax_ptr, offset_ptr, NESTED, NESTED_BLOCKSIZE
+            raw_scale, block_idx, scale_mask, nested_code_ptr, nested_absmax_ptr, offset_ptr, NESTED, NESTED_BLOCKSIZE,
+            MUL_RN,
         )[:, :, None]
         high, low = _decode_nibbles(packed, code_ptr)
         w = tl.interleave(_round_to(high * scale, DTYPE, INTERPRET), _round_to(low * scale, DTYPE, INTERPRET))
@@ -153,12 +171,64 @@ def _decode_weight_tile(
         shift = (4 - (idx % 2) * 4).to(tl.int32)  # even element: high nibble
         value = tl.load(code_ptr + ((packed.to(tl.int32) >> shift) & 0xF))
         scale = _decode_absmax(
-            raw_scale, idx // BLOCKSIZE, mask, nested_code_ptr, nested_absmax_ptr, offset_ptr, NESTED, NESTED_BLOCKSIZE
+            raw_scale, idx // BLOCKSIZE, mask, nested_code_ptr, nested_absmax_ptr, offset_ptr, NESTED, NESTED_BLOCKSIZE,
+            MUL_RN,
         )
         w = _round_to(value * scale, DTYPE, INTERPRET)
     else:
         w = _round_to(packed.to(tl.float32) * raw_scale[:, None] * _INV_127, DTYPE, INTERPRET)
     return w
+
+
+@triton.jit
+def _load_x_pairs(x_row_ptr, k0, k_end, SUB: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row's x[k0 : k0 + BLOCK_K] as (even, odd) elements of each sub-block: two (BLOCK_K / SUB, SUB / 2) tiles
+    laid out like the high / low nibbles of the packed bytes."""
+    sub_start = k0 + tl.arange(0, BLOCK_K // SUB) * SUB
+    even = sub_start[:, None] + 2 * tl.arange(0, SUB // 2)[None, :]
+    x_even = tl.load(x_row_ptr + even, mask=even < k_end, other=0.0)
+    x_odd = tl.load(x_row_ptr + even + 1, mask=even + 1 < k_end, other=0.0)
+    return x_even.to(tl.float32), x_odd.to(tl.float32)
+
+
+@triton.jit
+def _factored_row_dot(
+    packed,  # (BLOCK_N, NB, SUB / 2) uint8, from _load_weight_raw (ALIGNED)
+    raw_scale,  # (BLOCK_N, NB)
+    x_even,  # (NB, SUB / 2) fp32
+    x_odd,
+    code_ptr,
+    nested_code_ptr,
+    nested_absmax_ptr,
+    offset_ptr,
+    offs_n,
+    k0,
+    k_end,
+    N,
+    K,
+    BLOCKSIZE: tl.constexpr,
+    NESTED: tl.constexpr,
+    NESTED_BLOCKSIZE: tl.constexpr,
+    SUB: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MUL_RN: tl.constexpr,
+):
+    """(BLOCK_N,) fp32: sum_k W[n, k] * x[k] over the tile as sum_blocks scale[n, b] * sum_{k in b} code[n, k] * x[k].
+
+    One code lookup and one FMA per weight; the scale multiply happens once per sub-block of SUB weights.
+    """
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    sub_start = k0 + tl.arange(0, BLOCK_K // SUB) * SUB
+    block_idx = rows[:, None] * (K // BLOCKSIZE) + (sub_start // BLOCKSIZE)[None, :]
+    scale_mask = mask_n[:, None] & (sub_start < k_end)[None, :]
+    scale = _decode_absmax(
+        raw_scale, block_idx, scale_mask, nested_code_ptr, nested_absmax_ptr, offset_ptr, NESTED, NESTED_BLOCKSIZE,
+        MUL_RN,
+    )  # (BLOCK_N, NB)
+    high, low = _decode_nibbles(packed, code_ptr)  # codes of the even / odd elements, (BLOCK_N, NB, SUB / 2)
+    per_block = tl.sum(high * x_even[None, :, :] + low * x_odd[None, :, :], axis=2)  # (BLOCK_N, NB)
+    return tl.sum(per_block * scale, axis=1)
 
 
 @triton.jit
@@ -268,6 +338,8 @@ def _fused_small_m_kernel(
     BLOCK_R: tl.constexpr,
     SPLIT_K: tl.constexpr,
     INTERPRET: tl.constexpr,
+    FACTOR_SCALES: tl.constexpr,  # M = 1, ALIGNED 4-bit: scale applied per sub-block (see _factored_row_dot)
+    MUL_RN: tl.constexpr,  # exact nested-absmax decode with fp fusion on (compiled kernels; see _decode_absmax)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -284,55 +356,71 @@ def _fused_small_m_kernel(
     packed, raw_scale = _load_weight_raw(
         w_ptr, absmax_ptr, offs_n, k_start, k_end, N, K, stride_wn, WEIGHT_KIND, BLOCKSIZE, SUB, BLOCK_N, BLOCK_K
     )
-    x_tile = _load_x_tile(x_ptr, offs_m, k_start, k_end, M, stride_xm, USE_DOT, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        w = _decode_weight_tile(
-            packed,
-            raw_scale,
-            code_ptr,
-            nested_code_ptr,
-            nested_absmax_ptr,
-            offset_ptr,
-            offs_n,
-            k0,
-            k_end,
-            N,
-            K,
-            WEIGHT_KIND,
-            BLOCKSIZE,
-            NESTED,
-            NESTED_BLOCKSIZE,
-            SUB,
-            BLOCK_N,
-            BLOCK_K,
-            x_ty,
-            INTERPRET,
-        )
-        x_cur = x_tile
-        packed, raw_scale = _load_weight_raw(
-            w_ptr,
-            absmax_ptr,
-            offs_n,
-            k0 + BLOCK_K,
-            k_end,
-            N,
-            K,
-            stride_wn,
-            WEIGHT_KIND,
-            BLOCKSIZE,
-            SUB,
-            BLOCK_N,
-            BLOCK_K,
-        )
-        x_tile = _load_x_tile(x_ptr, offs_m, k0 + BLOCK_K, k_end, M, stride_xm, USE_DOT, BLOCK_K)
-        if USE_DOT:  # x_cur: (BLOCK_K, BLOCK_M)
-            if DOT_FP32:
-                acc = tl.dot(w.to(tl.float32), x_cur.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, x_cur, acc)
-        else:  # x_cur: (1, BLOCK_K). Reduced every tile: (BLOCK_N, BLOCK_K) partial sums would cost registers.
-            acc += tl.sum(w.to(tl.float32) * x_cur.to(tl.float32), axis=1)[:, None]
+    if FACTOR_SCALES:
+        x_row_ptr = x_ptr + pid_m * stride_xm
+        x_even, x_odd = _load_x_pairs(x_row_ptr, k_start, k_end, SUB, BLOCK_K)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            cur_packed, cur_scale, cur_even, cur_odd = packed, raw_scale, x_even, x_odd
+            packed, raw_scale = _load_weight_raw(
+                w_ptr, absmax_ptr, offs_n, k0 + BLOCK_K, k_end, N, K, stride_wn, WEIGHT_KIND, BLOCKSIZE, SUB, BLOCK_N,
+                BLOCK_K,
+            )
+            x_even, x_odd = _load_x_pairs(x_row_ptr, k0 + BLOCK_K, k_end, SUB, BLOCK_K)
+            acc += _factored_row_dot(
+                cur_packed, cur_scale, cur_even, cur_odd, code_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+                offs_n, k0, k_end, N, K, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB, BLOCK_K, MUL_RN,
+            )[:, None]
+    else:
+        x_tile = _load_x_tile(x_ptr, offs_m, k_start, k_end, M, stride_xm, USE_DOT, BLOCK_K)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            w = _decode_weight_tile(
+                packed,
+                raw_scale,
+                code_ptr,
+                nested_code_ptr,
+                nested_absmax_ptr,
+                offset_ptr,
+                offs_n,
+                k0,
+                k_end,
+                N,
+                K,
+                WEIGHT_KIND,
+                BLOCKSIZE,
+                NESTED,
+                NESTED_BLOCKSIZE,
+                SUB,
+                BLOCK_N,
+                BLOCK_K,
+                x_ty,
+                INTERPRET,
+                MUL_RN,
+            )
+            x_cur = x_tile
+            packed, raw_scale = _load_weight_raw(
+                w_ptr,
+                absmax_ptr,
+                offs_n,
+                k0 + BLOCK_K,
+                k_end,
+                N,
+                K,
+                stride_wn,
+                WEIGHT_KIND,
+                BLOCKSIZE,
+                SUB,
+                BLOCK_N,
+                BLOCK_K,
+            )
+            x_tile = _load_x_tile(x_ptr, offs_m, k0 + BLOCK_K, k_end, M, stride_xm, USE_DOT, BLOCK_K)
+            if USE_DOT:  # x_cur: (BLOCK_K, BLOCK_M)
+                if DOT_FP32:
+                    acc = tl.dot(w.to(tl.float32), x_cur.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(w, x_cur, acc)
+            else:  # x_cur: (1, BLOCK_K). Reduced every tile: (BLOCK_N, BLOCK_K) partial sums would cost registers.
+                acc += tl.sum(w.to(tl.float32) * x_cur.to(tl.float32), axis=1)[:, None]
 
     if SPLIT_K == 1:
         _epilogue(
@@ -398,7 +486,40 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def pick_config(m: int, n: int, k: int, device: torch.device) -> SmallMConfig:
+def weight_kind(weight: QuantizedWeight) -> str:
+    """``"int8"`` or ``"nf4"`` (every 4-bit weight): the key of the tuning tables (``tuned.py``)."""
+    return "int8" if isinstance(weight, Int8Rowwise) else "nf4"
+
+
+def small_m_limit(weight: QuantizedWeight, device: torch.device) -> int:
+    """Most rows for which the dispatcher picks this kernel: the measured crossover if tabled, else ``SMALL_M_MAX``."""
+    n, k = weight.shape
+    return _small_m_limit(device, weight_kind(weight), n, k)
+
+
+@functools.lru_cache(maxsize=1024)
+def _small_m_limit(device: torch.device, kind: str, n: int, k: int) -> int:
+    crossover = tuned_crossover(device, kind, n, k)
+    return SMALL_M_MAX if crossover is None else crossover
+
+
+def pick_config(m: int, n: int, k: int, device: torch.device, kind: str = "nf4") -> SmallMConfig:
+    """The tiling for ``m`` rows of an ``(n, k)`` weight: measured (``tuned.py``) when tabled, else a heuristic.
+
+    Memoized: the dispatcher calls it on every decode step.
+    """
+    return _pick_config(m, n, k, device, kind)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pick_config(m: int, n: int, k: int, device: torch.device, kind: str) -> SmallMConfig:
+    tuned = tuned_config(device, kind, m, n, k)
+    if tuned is not None:
+        return SmallMConfig(**tuned)
+    return heuristic_config(m, n, k, device)
+
+
+def heuristic_config(m: int, n: int, k: int, device: torch.device) -> SmallMConfig:
     """Default tiling: FMAs for one row, tensor cores otherwise; K is split until there are ~6 programs per SM.
 
     The tiles keep registers below ~100 per thread so that several programs share an SM: with the prefetch, the
@@ -408,12 +529,12 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> SmallMConfig:
         block_m, block_n, block_k = 1, 8, 512
     else:
         block_m, block_n, block_k = 16, 32, 128
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    block_k = min(block_k, max(16, next_power_of_2(k)))
     if device.type != "cuda":  # the interpreter: fewest programs is fastest
-        return SmallMConfig(use_dot=m > 1, block_n=min(block_n, max(16, triton.next_power_of_2(n))), block_k=block_k)
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    k_tiles = triton.cdiv(k, block_k)
-    split_k = max(1, min(triton.cdiv(6 * _sm_count(device.index or 0), tiles), k_tiles, 16))
+        return SmallMConfig(use_dot=m > 1, block_n=min(block_n, max(16, next_power_of_2(n))), block_k=block_k)
+    tiles = cdiv(n, block_n) * cdiv(m, block_m)
+    k_tiles = cdiv(k, block_k)
+    split_k = max(1, min(cdiv(6 * _sm_count(device.index or 0), tiles), k_tiles, 16))
     return SmallMConfig(use_dot=m > 1, block_n=block_n, block_k=block_k, split_k=split_k)
 
 
@@ -490,9 +611,9 @@ def _launch(
         return out
     block_m = 16 if config.use_dot else 1
     block_n, block_k = config.block_n, config.block_k
-    k_per_split = triton.cdiv(triton.cdiv(k, block_k), config.split_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)  # no empty splits
-    grid = (triton.cdiv(n, block_n), split_k, triton.cdiv(m, block_m))
+    k_per_split = cdiv(cdiv(k, block_k), config.split_k) * block_k
+    split_k = cdiv(k, k_per_split)  # no empty splits
+    grid = (cdiv(n, block_n), split_k, cdiv(m, block_m))
     if split_k > 1:
         partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x2d.device)
         arrivals = torch.zeros(grid[0] * grid[2], dtype=torch.int32, device=x2d.device)
@@ -532,12 +653,15 @@ def _launch(
         block_m,
         block_n,
         block_k,
-        max(16, triton.next_power_of_2(r)),  # BLOCK_R
+        max(16, next_power_of_2(r)),  # BLOCK_R
         split_k,
         interpret,
+        config.factor_scales and not config.use_dot and w_meta[0] == _KIND_4BIT_ALIGNED,  # FACTOR_SCALES
+        not interpret,  # MUL_RN
     )
-    # enable_fp_fusion=False: W must be dequantized exactly (no FMA in the nested scale decode).
-    options = dict(num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=False)
+    # fp fusion stays on (FMAs in the dot products): the only sums that must not fuse, in the nested-absmax decode,
+    # use mul.rn (MUL_RN). The interpreter computes exactly as written.
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     launch(_fused_small_m_kernel, grid, args, x2d.device, **options)
     return out
 
@@ -569,6 +693,19 @@ def fused_lora_linear_small_m(
         `torch.Tensor`: ``(..., out_features)`` in ``x.dtype``.
     """
     _check_inputs(x, weight, bias, lora_a, lora_b, lora_x)
+    return small_m_forward(x, weight, bias, lora_a, lora_b, scaling, lora_x)
+
+
+def small_m_forward(
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: Optional[torch.Tensor],
+    lora_a: Optional[torch.Tensor],
+    lora_b: Optional[torch.Tensor],
+    scaling: float,
+    lora_x: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """[`fused_lora_linear_small_m`] without the argument checks, for callers that checked already (the dispatcher)."""
     n, k = weight.shape
     lead = x.shape[:-1]
     x2d = x.reshape(-1, k)
@@ -576,11 +713,11 @@ def fused_lora_linear_small_m(
         x2d = x2d.contiguous()
     xa = None
     if lora_a is not None:
-        lx = (x if lora_x is None else lora_x).reshape(-1, k)
+        lx = x2d if lora_x is None else lora_x.reshape(-1, k)
         xa = F.linear(lx.to(lora_a.dtype), lora_a).contiguous()  # (M, r) in the adapter dtype, like the reference
         lora_b = lora_b.contiguous()
     if bias is not None:
         bias = bias.contiguous()
-    config = pick_config(x2d.shape[0], n, k, x.device)
+    config = pick_config(x2d.shape[0], n, k, x.device, weight_kind(weight))
     out = _launch(x2d, weight, bias, xa, lora_b, scaling, config)
     return out.reshape(*lead, n)

@@ -102,6 +102,11 @@ def lora_linear_forward(
     Args: as [`~peft_fastlora.ops.reference.lora_linear_ref`]. ``lora_x=None`` means the LoRA branch reads ``x``.
     """
     check_lora_linear_args(x, weight, bias, lora_a, lora_b, lora_x)
+    return _forward(x, weight, bias, lora_a, lora_b, scaling, lora_x)
+
+
+def _forward(x, weight, bias, lora_a, lora_b, scaling, lora_x):
+    """[`lora_linear_forward`] without the checks (the dispatcher ran them; this runs on every training step)."""
     n, k = weight.shape
     x2d = x.reshape(-1, k)
     w = dequantize_kernel(weight, x.dtype)  # (N, K), freed on return; the allocator reuses it stream-ordered
@@ -183,9 +188,12 @@ class LoraLinearFunction(torch.autograd.Function):
     """Autograd wrapper of [`lora_linear_forward`] / [`lora_linear_backward`]; the quantized weight gets no grad."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling, lora_x=None):
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling, lora_x=None, check=True):
+        # check=False: the caller (the dispatcher) validated the arguments already; skips the host time on every call.
+        if check:
+            check_lora_linear_args(x, weight, bias, lora_a, lora_b, lora_x)
         separate = lora_x is not None and lora_x is not x
-        out, xa = lora_linear_forward(x, weight, bias, lora_a, lora_b, scaling, lora_x if separate else None)
+        out, xa = _forward(x, weight, bias, lora_a, lora_b, scaling, lora_x if separate else None)
         need_da = lora_a is not None and ctx.needs_input_grad[3]
         lora_input = (lora_x if separate else x) if need_da else None
         ctx.save_for_backward(lora_input, xa, lora_a, lora_b)
@@ -203,4 +211,4 @@ class LoraLinearFunction(torch.autograd.Function):
         dx, dlx, da, db, dbias = lora_linear_backward(
             grad_out, ctx.weight, lora_a, lora_b, ctx.scaling, lora_input, xa, ctx.bias_dtype, needs, ctx.separate
         )
-        return dx, None, dbias, da, db, None, dlx
+        return dx, None, dbias, da, db, None, dlx, None

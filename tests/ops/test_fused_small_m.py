@@ -20,8 +20,15 @@ import torch
 import torch.nn.functional as F
 
 from peft_fastlora.bnb_weights import packed4bit_from_bnb
-from peft_fastlora.ops.fused_small_m import SMALL_M_MAX, SmallMConfig, _launch, fused_lora_linear_small_m
-from peft_fastlora.ops.quant_state import Int8Rowwise
+from peft_fastlora.ops.fused_small_m import (
+    SMALL_M_MAX,
+    SmallMConfig,
+    _launch,
+    fused_lora_linear_small_m,
+    pick_config,
+    weight_kind,
+)
+from peft_fastlora.ops.quant_state import Int8Rowwise, Packed4bit
 from peft_fastlora.ops.reference import dequantize_ref, lora_linear_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,7 +62,13 @@ def make_inputs(lead, n, k, dtype, r=8, bias=True, lora=True, lora_x=True, adapt
     return x, b, a, bb, lx
 
 
-def check(y, x, weight, bias, lora_a, lora_b, scaling, lora_x, atol, rtol):
+def factored(weight, config: SmallMConfig) -> bool:
+    """Whether the kernel sums code * x per absmax block and scales once (M = 1 FMA path, rows of whole blocks)."""
+    aligned = isinstance(weight, Packed4bit) and weight.shape[1] % weight.blocksize == 0
+    return aligned and config.factor_scales and not config.use_dot
+
+
+def check(y, x, weight, bias, lora_a, lora_b, scaling, lora_x, atol, rtol, factored_scales=None):
     """Asserts ``y`` against ``lora_linear_ref`` (roundings bounded term by term) and against the exact fp64 value.
 
     ``atol``/``rtol`` (per dtype, from ``TOLERANCES``) bound the comparison where the terms do not cancel. Where they
@@ -68,11 +81,17 @@ def check(y, x, weight, bias, lora_a, lora_b, scaling, lora_x, atol, rtol):
     n = weight.shape[0]
     assert y.shape == (*x.shape[:-1], n) and y.dtype == x.dtype and y.device == x.device
     expected = lora_linear_ref(x, weight, bias, lora_a, lora_b, scaling, lora_x)
+    if factored_scales is None:  # what the default tiling does
+        rows = x.numel() // x.shape[-1]
+        factored_scales = factored(weight, pick_config(rows, n, x.shape[-1], x.device, weight_kind(weight)))
 
-    # fp64 oracle of the kernel's math: W and bias rounded to x.dtype, xa = lora_x @ A.T in the adapter dtype.
-    w = dequantize_ref(weight, x.dtype).double()
+    # fp64 oracle of the kernel's math: W and bias rounded to x.dtype, xa = lora_x @ A.T in the adapter dtype. With
+    # factored scales the kernel never rounds W: the oracle uses the fp32 W, and the reference's rounding of W
+    # (<= u * |x| @ |W|.T) is one more allowed difference from the reference.
+    w = dequantize_ref(weight, torch.float32 if factored_scales else x.dtype).double()
     x64 = x.double().reshape(-1, x.shape[-1])
     exact, magnitude = x64 @ w.T, x64.abs() @ w.abs().T
+    w_rounding = UNIT_ROUNDOFF[x.dtype] * magnitude if factored_scales else 0.0
     if bias is not None:
         exact, magnitude = exact + bias.to(x.dtype).double(), magnitude + bias.to(x.dtype).double().abs()
     base_abs = exact.abs()  # |x @ W.T + bias|: what the reference rounds first
@@ -91,7 +110,7 @@ def check(y, x, weight, bias, lora_a, lora_b, scaling, lora_x, atol, rtol):
     accumulation = (1 + u) * accumulation * magnitude
 
     exp64, y64 = expected.double().reshape(exact.shape), y.double().reshape(exact.shape)
-    roundings = u * (base_abs + exp64.abs() + y64.abs()) + (3 * u_a + u) * lora_mag + 2 * accumulation
+    roundings = u * (base_abs + exp64.abs() + y64.abs()) + (3 * u_a + u) * lora_mag + 2 * accumulation + w_rounding
     allowed = torch.maximum(atol + rtol * exp64.abs(), roundings)
     excess = (y64 - exp64).abs() - allowed
     worst = [int(i) for i in torch.unravel_index(excess.argmax(), excess.shape)]
@@ -167,6 +186,10 @@ TILINGS = [
     ("fp4-64", 20, SmallMConfig(use_dot=True, block_n=16, block_k=64, split_k=2)),
     ("int8", 2, SmallMConfig(use_dot=True, block_n=32, block_k=64, split_k=2)),
     ("int8", 1, SmallMConfig(use_dot=False, block_n=16, block_k=128, split_k=2)),
+    # M = 1 over rows of whole blocks: scales factored out (the default) or applied per weight, split in 2
+    ("nf4-64-nested", 1, SmallMConfig(use_dot=False, block_n=8, block_k=64, split_k=2)),
+    ("nf4-64-nested", 1, SmallMConfig(use_dot=False, block_n=8, block_k=128, split_k=1, factor_scales=False)),
+    ("fp4-64", 1, SmallMConfig(use_dot=False, block_n=16, block_k=32)),
 ]
 
 
@@ -177,7 +200,7 @@ def test_tilings_and_split_k(kind, m, config, dtype, atol, rtol):
     x, bias, a, b, lx = make_inputs((m,), N, K, dtype)
     xa = F.linear(lx.to(a.dtype), a)
     y = _launch(x, weight, bias, xa, b, 0.5, config)
-    check(y, x, weight, bias, a, b, 0.5, lx, atol, rtol)
+    check(y, x, weight, bias, a, b, 0.5, lx, atol, rtol, factored_scales=factored(weight, config))
     assert torch.equal(y, _launch(x, weight, bias, xa, b, 0.5, config)), "split-K reduction is not deterministic"
 
 
@@ -263,7 +286,7 @@ def test_gpu_split_k_is_deterministic(config):
     x, bias, a, b, _ = make_inputs((m,), n, k, torch.bfloat16, r=16)
     xa = F.linear(x, a)
     first = _launch(x, weight, bias, xa, b, 2.0, config)
-    check(first, x, weight, bias, a, b, 2.0, None, *TOLERANCES[2][1:])
+    check(first, x, weight, bias, a, b, 2.0, None, *TOLERANCES[2][1:], factored_scales=factored(weight, config))
     for _ in range(50):
         assert torch.equal(_launch(x, weight, bias, xa, b, 2.0, config), first)
 

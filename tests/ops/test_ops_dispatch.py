@@ -59,13 +59,15 @@ def _spy(monkeypatch, owner, name):
 
 def _small_m_spy(monkeypatch):
     calls = []
-    real = custom_ops.fused_small_m_kernel()
+    from peft_fastlora.ops import fused_small_m
+
+    real = fused_small_m.small_m_forward
 
     def spy(*args):
         calls.append(args[0].shape)
         return real(*args)
 
-    monkeypatch.setattr(custom_ops, "fused_small_m_kernel", lambda: spy)
+    monkeypatch.setattr(fused_small_m, "small_m_forward", spy)
     return calls
 
 
