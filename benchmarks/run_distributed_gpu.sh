@@ -3,12 +3,15 @@
 #
 #     bash benchmarks/run_distributed_gpu.sh OUTDIR
 #
-# Runs (each step under a time limit, continuing past failures; ~5 min when all pass, 8.3 min at most):
+# Runs (each step under a time limit, continuing past failures; ~6 min when all pass, 8.3 min at most):
 #   ddp            torchrun, 2 procs, nccl: DDP(find_unused_parameters=False) vs one process on the same global batch
-#   fsdp2          torchrun, 2 procs, nccl: fully_shard + prepare_for_fsdp + save_adapter vs one process
+#   fsdp2          torchrun, 2 procs, nccl: prepare_for_fsdp(fsdp_version=2) + fully_shard + save_adapter vs one
+#                  process, bf16/fp16/uint8 storage; every scenario checks the all-gathered packed bytes (must not
+#                  change), and the control fp16-st-mp-v1 (the pre-fix path) must show changed bytes
 #   device_map     pytest (gpu): device_map="auto" + max_memory over 2 GPUs vs one GPU, kernels on each layer's device
 #   trainer-ddp    accelerate launch (accelerate_ddp.yaml), HF Trainer, gradient checkpointing + modules_to_save
-#   trainer-fsdp2  accelerate launch (accelerate_fsdp2.yaml), HF Trainer
+#   trainer-fsdp2  accelerate launch (accelerate_fsdp2.yaml), HF Trainer, bf16 storage
+#   trainer-fsdp2-u8  the same with uint8 storage (bitsandbytes' default)
 #   trainer-fsdp1  accelerate launch (accelerate_fsdp1.yaml), HF Trainer
 # Writes OUTDIR/<step>.log, OUTDIR/results/*.json, OUTDIR/device_map.json and OUTDIR/SUMMARY.md.
 # Exit code: 0 when every check passed, 1 otherwise.
@@ -66,8 +69,8 @@ RES="$OUT/results"
 
 step ddp 110 "$PY" -m torch.distributed.run --standalone --nproc-per-node=2 -m tests.distributed.ddp_worker \
     --model "$MODEL" --out "$RES" --scenarios bf16,bf16-gc,bf16-gcr,bf16-mts,fp16,fp32-gc-mts
-step fsdp2 110 "$PY" -m torch.distributed.run --standalone --nproc-per-node=2 -m tests.distributed.fsdp_worker \
-    --model "$MODEL" --out "$RES" --scenarios bf16-st,bf16-st-a32-mp-gc-mts,fp16-st-mp,bf16-st-leaf
+step fsdp2 130 "$PY" -m torch.distributed.run --standalone --nproc-per-node=2 -m tests.distributed.fsdp_worker \
+    --model "$MODEL" --out "$RES" --scenarios bf16-st-a32-mp-gc-mts,fp16-st-mp,bf16-mp-gc,bf16-st-leaf,fp16-st-mp-v1
 step device_map 90 env FASTLORA_DIST_REPORT="$OUT/device_map.json" "$PY" -m pytest -p no:cacheprovider -q -rA \
     tests/distributed/test_device_map.py --junitxml "$OUT/device_map.xml"
 step trainer-ddp 80 "$PY" -m accelerate.commands.launch --config_file tests/distributed/accelerate_ddp.yaml \
@@ -76,6 +79,9 @@ step trainer-ddp 80 "$PY" -m accelerate.commands.launch --config_file tests/dist
 step trainer-fsdp2 80 "$PY" -m accelerate.commands.launch --config_file tests/distributed/accelerate_fsdp2.yaml \
     --main_process_port 29532 -m tests.distributed.trainer_worker --model "$MODEL" --out "$RES" \
     --scenario bf16-st-a32-gc-mts --tag fsdp2-bf16-st-a32-gc-mts
+step trainer-fsdp2-u8 80 "$PY" -m accelerate.commands.launch --config_file tests/distributed/accelerate_fsdp2.yaml \
+    --main_process_port 29534 -m tests.distributed.trainer_worker --model "$MODEL" --out "$RES" \
+    --scenario bf16-gc-mts --tag fsdp2-bf16-gc-mts
 step trainer-fsdp1 150 "$PY" -m accelerate.commands.launch --config_file tests/distributed/accelerate_fsdp1.yaml \
     --main_process_port 29533 -m tests.distributed.trainer_worker --model "$MODEL" --out "$RES" \
     --scenario bf16-st-a32-gc-mts --tag fsdp1-bf16-st-a32-gc-mts

@@ -1,25 +1,38 @@
-"""FastLoRA under ``torch.distributed``: DDP needs nothing from here; FSDP needs one dtype rule and the quant_state.
+"""FastLoRA under ``torch.distributed``: DDP needs nothing from here; FSDP needs [`prepare_for_fsdp`].
 
 DDP (``torchrun``, ``accelerate launch --multi_gpu``, the HF Trainer) works as is: FastLoRA layers are ordinary modules
 whose adapters get a gradient on every step, so ``find_unused_parameters=False``, gradient checkpointing and
 ``modules_to_save`` all work.
 
-FSDP (``torch.distributed.fsdp.fully_shard`` and accelerate's FSDP plugin) shards parameters, which for QLoRA means:
+FSDP shards parameters. [`prepare_for_fsdp`] follows the FSDP version (``fsdp_version``; see
+[`resolve_fsdp_version`]):
 
-1. The packed 4-bit weights must be stored as a float dtype equal to the model dtype
-   (``BitsAndBytesConfig(bnb_4bit_quant_storage=torch.bfloat16)`` with ``dtype=torch.bfloat16``): FSDP1 flattens all
-   parameters of a unit into one tensor of one dtype, and FSDP mixed precision casts float parameters to its
-   ``param_dtype`` (the HF Trainer sets it to ``bnb_4bit_quant_storage``), which would scramble bytes stored as
-   another float dtype.
-2. The trainable parameters of one FSDP unit must share one dtype, and under mixed precision they are computed in
-   ``param_dtype`` anyway. So under FSDP the adapters take the storage dtype instead of the ``adapter_dtype`` policy's;
-   [`prepare_for_fsdp`] does this and logs one line when it changes anything.
-3. FSDP replaces each ``Params4bit`` by a plain all-gathered tensor, which has no ``quant_state``; bitsandbytes keeps
-   the state on the module (``Linear4bit.quant_state``) and [`restore_quant_state`] puts it back before a FastLoRA
-   layer reads ``weight.data`` in its forward (after FSDP's all-gather).
-4. PEFT's ``fsdp_auto_wrap_policy`` (installed by the HF Trainer for PEFT models under FSDP1) makes every
-   ``lora_A`` / ``lora_B`` a unit of its own, whose weight is gathered only inside that module's forward; a FastLoRA
-   layer must then call those modules rather than read their weights ([`fsdp_wraps_adapters`]).
+- **FSDP2** (``torch.distributed.fsdp.fully_shard``, accelerate ``fsdp_version: 2``). FSDP2 all-gathers the
+  parameters of one unit through one buffer. When they share one float dtype it copies them as floats, and on CUDA
+  that rewrites every 16-bit word whose bits read as a NaN to the canonical NaN (packed 4-bit codes stored as
+  bf16/fp16 then decode to other weights); under mixed precision it also casts float parameters by value. Non-float
+  parameters get neither: they are never cast, and a unit holding one is all-gathered as ``uint8``. So every packed
+  4-bit weight is re-viewed as ``uint8`` (bitsandbytes' default layout, whatever ``bnb_4bit_quant_storage`` was), and
+  FSDP2 moves its bytes. torch < 2.12 cannot shard non-float parameters (``fully_shard`` raises "only Tensors of
+  floating point dtype can require gradients"): there the packed weights stay whole on every GPU, passed to
+  ``fully_shard`` as ``ignored_params`` ([`fsdp2_ignored_params`]); accelerate 1.15 leaves non-float ``Params4bit``
+  out of FSDP2 by itself. FSDP2 needs one dtype among the *trainable* parameters of a unit, nothing else, so the
+  adapters keep the ``adapter_dtype`` policy's dtype (with fp32 adapters and a bf16 ``modules_to_save`` copy, keep
+  them in different units: every decoder layer its own unit, as accelerate does; a log line says so). FastLoRA layers
+  leave FSDP2's mixed-precision copies of the adapters alone ([`fsdp_owns_adapter_dtypes`]).
+- **FSDP1** (``FullyShardedDataParallel``, accelerate ``fsdp_version: 1``) flattens all parameters of a unit into one
+  tensor of one dtype, and its mixed precision casts float parameters to ``param_dtype`` (the HF Trainer sets it to
+  ``bnb_4bit_quant_storage``). So the packed 4-bit weights must be stored as a float dtype equal to the model dtype
+  (``BitsAndBytesConfig(bnb_4bit_quant_storage=torch.bfloat16)`` with ``dtype=torch.bfloat16``), and the adapters
+  take that dtype instead of the ``adapter_dtype`` policy's (one log line says so). FSDP1 copies flat parameters as
+  bytes, so it does not rewrite NaN words.
+
+Both: FSDP replaces each ``Params4bit`` by a plain all-gathered tensor, which has no ``quant_state``; bitsandbytes keeps
+the state on the module (``Linear4bit.quant_state``) and [`restore_quant_state`] puts it back before a FastLoRA layer
+reads ``weight.data`` in its forward (after FSDP's all-gather). PEFT's ``fsdp_auto_wrap_policy`` (installed by the HF
+Trainer for PEFT models under FSDP1) makes every ``lora_A`` / ``lora_B`` a unit of its own, whose weight is gathered
+only inside that module's forward; a FastLoRA layer must then call those modules rather than read their weights
+([`fsdp_wraps_adapters`]).
 """
 
 from __future__ import annotations
@@ -27,9 +40,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import warnings
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -38,12 +50,18 @@ from .dtypes import override_adapter_dtype
 
 logger = logging.getLogger(__name__)
 
+FSDP_VERSIONS = (1, 2)
+DEFAULT_FSDP_VERSION = 2  # torch's current FSDP API (`fully_shard`), and transformers' default
+# torch 2.12 shards non-float parameters with FSDP2 (before, `fully_shard` made them require grad and raised).
+FSDP2_SHARDS_BYTES = torch.__version__ >= "2.12"
 FLOAT_STORAGE = (torch.float16, torch.bfloat16, torch.float32)
 _HOOK_MARK = "_peft_fastlora_fsdp_hook"
+_FSDP2_MARK = "_peft_fastlora_fsdp2"
 STORAGE_FIX = (
     "Load the model with a float `bnb_4bit_quant_storage` equal to its dtype, e.g. "
     "`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=torch.bfloat16, ...)` and `dtype=torch.bfloat16`. "
-    "Under FSDP the adapters then take that dtype too, whatever `adapter_dtype` says."
+    "Under FSDP1 the adapters then take that dtype too, whatever `adapter_dtype` says. FSDP2 (`fsdp_version=2`) takes "
+    "any `bnb_4bit_quant_storage`."
 )
 
 
@@ -54,6 +72,37 @@ class FSDPConfigError(ValueError):
 def _is_main_process() -> bool:
     dist = torch.distributed
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def resolve_fsdp_version(fsdp_version: Optional[int] = None) -> int:
+    """The FSDP version [`prepare_for_fsdp`] prepares for: ``fsdp_version`` when given, else accelerate's setting.
+
+    accelerate's setting is the ``FSDP_VERSION`` environment variable (``accelerate launch`` sets it from
+    ``fsdp_version`` in its config; its FSDP plugin reads it too), or 1, accelerate's default, when only
+    ``ACCELERATE_USE_FSDP`` is set. Without either, [`DEFAULT_FSDP_VERSION`] (2: ``fully_shard``).
+
+    Args:
+        fsdp_version (`int`, *optional*): 1 (``FullyShardedDataParallel``) or 2 (``fully_shard``).
+
+    Raises:
+        `ValueError`: for any other value, or an ``FSDP_VERSION`` that is not one of them.
+    """
+    if fsdp_version is None:
+        env = os.environ.get("FSDP_VERSION")
+        if env is None:
+            return 1 if fsdp_launched() else DEFAULT_FSDP_VERSION
+        if env.strip() not in ("1", "2"):
+            raise ValueError(
+                f"The environment variable `FSDP_VERSION` must be 1 or 2, got {env!r}. Set `fsdp_version: 1` or "
+                "`fsdp_version: 2` in the accelerate config, or pass `fsdp_version=` to `prepare_for_fsdp`."
+            )
+        return int(env)
+    if not isinstance(fsdp_version, int) or isinstance(fsdp_version, bool) or fsdp_version not in FSDP_VERSIONS:
+        raise ValueError(
+            f"`fsdp_version` must be 1 (`FullyShardedDataParallel`) or 2 (`fully_shard`), got {fsdp_version!r}. "
+            "Pass the version you will wrap the model with, or None to follow accelerate's `FSDP_VERSION`."
+        )
+    return fsdp_version
 
 
 def restore_quant_state(base_layer: nn.Module) -> None:
@@ -102,18 +151,33 @@ def install_quant_state_hooks(model: nn.Module) -> int:
     return count
 
 
-def _storage_dtypes(model: nn.Module) -> dict[torch.dtype, str]:
-    """``{packed weight dtype: name of one layer}`` over the FastLoRA 4-bit layers; raises for 8-bit ones."""
-    from .bnb import FastLoraLinear4bit, FastLoraLinear8bit
+def _check_shardable_layers(model: nn.Module) -> None:
+    """Raises for 8-bit layers and for a model that FSDP already wrapped."""
+    from torch.distributed.tensor import DTensor
 
-    found: dict[torch.dtype, str] = {}
+    from .bnb import FastLoraLinear8bit
+
     for name, module in model.named_modules():
         if isinstance(module, FastLoraLinear8bit):
             raise FSDPConfigError(
                 f"FSDP cannot shard bitsandbytes 8-bit weights (layer {name!r}): they are int8 tensors whose row "
-                "scales (`SCB`) are attributes that FSDP's all-gathered tensor does not carry. Use 4-bit loading with "
-                "a float `bnb_4bit_quant_storage`, or DDP."
+                "scales (`SCB`) are attributes that FSDP's all-gathered tensor does not carry. Use 4-bit loading, or "
+                "DDP."
             )
+    sharded = next((n for n, p in model.named_parameters() if isinstance(p, DTensor)), None)
+    if sharded is not None:
+        raise FSDPConfigError(
+            f"`prepare_for_fsdp` must run before FSDP wraps the model, but {sharded!r} is already sharded (a DTensor). "
+            "Call it right after `get_peft_model`, before `fully_shard` / `Trainer(...)`."
+        )
+
+
+def _storage_dtypes(model: nn.Module) -> dict[torch.dtype, str]:
+    """``{packed weight dtype: name of one layer}`` over the FastLoRA 4-bit layers."""
+    from .bnb import FastLoraLinear4bit
+
+    found: dict[torch.dtype, str] = {}
+    for name, module in model.named_modules():
         if isinstance(module, FastLoraLinear4bit):
             found.setdefault(module.get_base_layer().weight.dtype, name)
     return found
@@ -133,86 +197,57 @@ def _adapter_params(model: nn.Module) -> set[int]:
     return ids
 
 
+def _lora_params(model: nn.Module) -> list[nn.Parameter]:
+    from peft.tuners.lora import LoraLayer
+
+    return [
+        p
+        for module in model.modules()
+        if isinstance(module, LoraLayer)
+        for attr in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
+        if getattr(module, attr, None) is not None
+        for p in getattr(module, attr).parameters()
+    ]
+
+
 def _adapter_policies(model: nn.Module) -> str:
     configs = getattr(model, "peft_config", None) or {}
     names = sorted({getattr(c, "adapter_dtype", None) for c in configs.values()} - {None})
     return ", ".join(repr(n) for n in names) or "?"
 
 
-# Found on 2 x H200 (torch 2.11): FSDP2 all-gathers a unit whose parameters share one dtype in that dtype, and its CUDA
-# copy-in rewrites NaN bit patterns to the canonical NaN; packed 4-bit bytes stored as bf16/fp16 that happen to read as
-# NaN then decode to other weights. FSDP1 and DDP move raw bytes and are not affected.
-FSDP2_PACKED_NAN_WARNING = (
-    "Known issue: FSDP2 (`fully_shard`, accelerate `fsdp_version: 2`) on CUDA can rewrite packed 4-bit weights stored "
-    "as {dtype} (`bnb_4bit_quant_storage`) whose bits read as NaN, silently changing a small fraction of base weights "
-    "(0.07% of words for bf16 storage, 1.7% for fp16 in our 2-GPU test). Use FSDP1 (accelerate `fsdp_version: 1`) or "
-    "DDP for QLoRA with FastLoRA until this is fixed; see docs/distributed.md."
-)
-
-
-def prepare_for_fsdp(model: nn.Module, strict: bool = True) -> nn.Module:
-    """Makes a FastLoRA model shardable by FSDP; call it after ``get_peft_model`` and before FSDP wraps the model.
-
-    Checks that every 4-bit weight is stored as one float dtype (``bnb_4bit_quant_storage``) that the other frozen
-    float parameters share, casts the adapters (LoRA weights and every trainable parameter, e.g. ``modules_to_save``)
-    to that dtype when the ``adapter_dtype`` policy chose another one (one log line says so; FastLoRA layers then keep
-    the new dtype), and installs [`restore_quant_state`] hooks. Idempotent.
-
-    Under FSDP, fp16 adapters train with FSDP's gradient scaler (``ShardedGradScaler`` for FSDP1, accelerate's for
-    FSDP2), which unscales fp16 gradients; torch's plain ``GradScaler`` would refuse them.
-
-    Args:
-        model (`nn.Module`): The ``PeftModel`` (or its base model) with FastLoRA layers.
-        strict (`bool`, defaults to `True`): Raise [`FSDPConfigError`] for a model FSDP cannot shard; with ``False``
-            log the problem and leave the dtypes alone.
-
-    Returns:
-        The same model.
-    """
-    try:
-        storages = _storage_dtypes(model)
-        if not storages:
-            install_quant_state_hooks(model)
-            return model
-        bad = {d: n for d, n in storages.items() if d not in FLOAT_STORAGE}
-        if bad:
-            dtype, name = next(iter(bad.items()))
-            raise FSDPConfigError(
-                f"FSDP needs 4-bit weights stored as a float dtype, but `bnb_4bit_quant_storage` is {dtype} (layer "
-                f"{name!r}): FSDP cannot flatten them with the other parameters, and accelerate leaves them unsharded "
-                f"(a full copy on every GPU). {STORAGE_FIX}"
-            )
-        if len(storages) > 1:
-            raise FSDPConfigError(
-                f"FSDP needs one `bnb_4bit_quant_storage` for the whole model, found {sorted(map(str, storages))}. "
-                f"{STORAGE_FIX}"
-            )
-        target = next(iter(storages))
-        adapters = _adapter_params(model)
-        frozen = [
-            (n, p.dtype)
-            for n, p in model.named_parameters()
-            if id(p) not in adapters and p.is_floating_point() and p.dtype != target
-            and type(p).__name__ != "Params4bit"
-        ]
-        if frozen:
-            name, dtype = frozen[0]
-            raise FSDPConfigError(
-                f"FSDP needs the model's float parameters in the 4-bit storage dtype {target} "
-                f"(`bnb_4bit_quant_storage`), but {len(frozen)} frozen parameters are not (e.g. {name!r} is {dtype}). "
-                f"Load the model with `dtype={target}` and do not upcast its parameters afterwards (e.g. with "
-                "`prepare_model_for_kbit_training`)."
-            )
-    except FSDPConfigError as err:
-        if strict:
-            raise
-        if _is_main_process():
-            logger.warning("peft_fastlora: %s", err)
-        install_quant_state_hooks(model)
-        return model
-
-    if torch.cuda.is_available() and target in (torch.bfloat16, torch.float16):
-        warnings.warn(FSDP2_PACKED_NAN_WARNING.format(dtype=target), stacklevel=2)
+def _prepare_fsdp1(model: nn.Module) -> None:
+    """FSDP1: one float storage dtype equal to the model's, adapters cast to it (logged)."""
+    storages = _storage_dtypes(model)
+    if not storages:
+        return
+    bad = {d: n for d, n in storages.items() if d not in FLOAT_STORAGE}
+    if bad:
+        dtype, name = next(iter(bad.items()))
+        raise FSDPConfigError(
+            f"FSDP1 needs 4-bit weights stored as a float dtype, but `bnb_4bit_quant_storage` is {dtype} (layer "
+            f"{name!r}): FSDP1 cannot flatten them with the other parameters. {STORAGE_FIX}"
+        )
+    if len(storages) > 1:
+        raise FSDPConfigError(
+            f"FSDP1 needs one `bnb_4bit_quant_storage` for the whole model, found {sorted(map(str, storages))}. "
+            f"{STORAGE_FIX}"
+        )
+    target = next(iter(storages))
+    adapters = _adapter_params(model)
+    frozen = [
+        (n, p.dtype)
+        for n, p in model.named_parameters()
+        if id(p) not in adapters and p.is_floating_point() and p.dtype != target and type(p).__name__ != "Params4bit"
+    ]
+    if frozen:
+        name, dtype = frozen[0]
+        raise FSDPConfigError(
+            f"FSDP1 needs the model's float parameters in the 4-bit storage dtype {target} "
+            f"(`bnb_4bit_quant_storage`), but {len(frozen)} frozen parameters are not (e.g. {name!r} is {dtype}). "
+            f"Load the model with `dtype={target}` and do not upcast its parameters afterwards (e.g. with "
+            "`prepare_model_for_kbit_training`)."
+        )
     recast = override_adapter_dtype(model, target, adapters)
     before = ", ".join(sorted({str(d) for d in recast}))
     if recast and _is_main_process():
@@ -221,8 +256,149 @@ def prepare_for_fsdp(model: nn.Module, strict: bool = True) -> nn.Module:
             "`bnb_4bit_quant_storage` dtype, because FSDP shards them together with the 4-bit weights.",
             len(recast), _adapter_policies(model), before, target,
         )
+
+
+def _view_packed_as_bytes(model: nn.Module) -> int:
+    """Re-views every bitsandbytes 4-bit weight as ``uint8`` (same storage, bitsandbytes' default ``(n, 1)`` layout).
+
+    The ``Params4bit`` objects stay the same; their ``quant_storage`` and their layer's become ``uint8``, which is
+    what bitsandbytes' and FastLoRA's ``quant_state`` recovery compare the all-gathered weight with. Returns how many
+    weights changed.
+    """
+    import bitsandbytes as bnb
+
+    from .layer import WEIGHT_CACHE
+
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit) and getattr(module.weight, "quant_state", None) is None:
+            raise FSDPConfigError(
+                f"The 4-bit layer {name!r} is not quantized (its weight has no `quant_state`; e.g. it is still on the "
+                "meta device, as with `cpu_ram_efficient_loading`). Load the quantized model on every rank before "
+                "`prepare_for_fsdp`."
+            )
+    changed = 0
+    for module in model.modules():
+        module.__dict__.pop(WEIGHT_CACHE, None)  # FastLoRA's container still holds the old view
+        if not isinstance(module, bnb.nn.Linear4bit):
+            continue
+        weight = module.weight
+        if weight.dtype != torch.uint8:
+            weight.data = weight.data.reshape(-1).view(torch.uint8).view(-1, 1)
+            changed += 1
+        weight.quant_storage = torch.uint8
+        module.quant_storage = torch.uint8
+    return changed
+
+
+def _trainable_dtypes(model: nn.Module) -> dict[str, list[str]]:
+    """``{"adapters" / "other": sorted dtypes}`` of the trainable parameters (LoRA weights / everything else)."""
+    lora = {id(p) for p in _lora_params(model)}
+    found: dict[str, set[str]] = {"adapters": set(), "other": set()}
+    for param in model.parameters():
+        if param.requires_grad:
+            found["adapters" if id(param) in lora else "other"].add(str(param.dtype))
+    return {k: sorted(v) for k, v in found.items() if v}
+
+
+def _prepare_fsdp2(model: nn.Module) -> None:
+    """FSDP2: packed weights as bytes; dtypes of the trainable parameters kept, their mixed-precision casts left to
+    FSDP2."""
+    from .layer import FastLoraLayer
+
+    viewed = _view_packed_as_bytes(model)
+    for module in model.modules():
+        if isinstance(module, FastLoraLayer):
+            setattr(module, _FSDP2_MARK, True)
+    if not _is_main_process():
+        return
+    trainable = _trainable_dtypes(model)
+    logger.info(
+        "peft_fastlora: FSDP2: %d packed 4-bit weights re-viewed as uint8, so FSDP2 all-gathers their bytes; the "
+        "trainable parameters keep their dtypes (adapter_dtype=%s): %s.", viewed, _adapter_policies(model), trainable,
+    )
+    if len({d for dtypes in trainable.values() for d in dtypes}) > 1:
+        # A modules_to_save copy must stay in the activation dtype, so casting it to fp32 adapters' dtype would break
+        # a forward without mixed precision; casting fp32 adapters down would drop the policy. Separate units work.
+        logger.warning(
+            "peft_fastlora: FSDP2: the trainable parameters have several dtypes (%s), and FSDP2 needs one dtype among "
+            "the trainable parameters of each unit (\"FSDP expects uniform original parameter dtype\"). Keep them "
+            "in different units (`fully_shard` every decoder layer, as accelerate does: the adapters are inside the "
+            "layers), or choose an `adapter_dtype` that gives the adapters the other parameters' dtype.",
+            trainable,
+        )
+    if not FSDP2_SHARDS_BYTES and fsdp2_ignored_params(model):
+        logger.warning(
+            "peft_fastlora: FSDP2: torch %s cannot shard uint8 parameters (torch >= 2.12 can), so the packed 4-bit "
+            "weights stay whole on every GPU: pass `ignored_params=peft_fastlora.distributed.fsdp2_ignored_params("
+            "model)` to `fully_shard` (accelerate 1.15 leaves them out itself). For sharded 4-bit weights on this "
+            "torch use FSDP1 with a float `bnb_4bit_quant_storage`.",
+            torch.__version__,
+        )
+
+
+def prepare_for_fsdp(model: nn.Module, strict: bool = True, fsdp_version: Optional[int] = None) -> nn.Module:
+    """Makes a FastLoRA model shardable by FSDP; call it after ``get_peft_model`` and before FSDP wraps the model.
+
+    FSDP2 (``fully_shard``): re-views every packed 4-bit weight as ``uint8`` so that FSDP2 all-gathers its bytes
+    (any ``bnb_4bit_quant_storage`` works; on torch < 2.12 pass [`fsdp2_ignored_params`] to ``fully_shard``), keeps
+    the adapters in the ``adapter_dtype`` policy's dtype, and lets FSDP2's mixed precision cast them without FastLoRA
+    casting them back (a log line warns when the trainable parameters have several dtypes).
+
+    FSDP1 (``FullyShardedDataParallel``): checks that every 4-bit weight is stored as one float dtype that the other
+    frozen float parameters share, and casts the adapters (LoRA weights and every trainable parameter, e.g.
+    ``modules_to_save``) to that dtype when the ``adapter_dtype`` policy chose another one (one log line says so).
+
+    Both install [`restore_quant_state`] hooks. Idempotent.
+
+    Under FSDP, fp16 adapters train with FSDP's gradient scaler (``ShardedGradScaler`` for FSDP1, accelerate's for
+    FSDP2), which unscales fp16 gradients; torch's plain ``GradScaler`` would refuse them.
+
+    Args:
+        model (`nn.Module`): The ``PeftModel`` (or its base model) with FastLoRA layers.
+        strict (`bool`, defaults to `True`): Raise [`FSDPConfigError`] for a model FSDP cannot shard; with ``False``
+            log the problem and leave the dtypes alone.
+        fsdp_version (`int`, *optional*): 1 or 2, the FSDP the model will be wrapped with. Defaults to accelerate's
+            ``FSDP_VERSION`` under ``accelerate launch``, else 2 ([`resolve_fsdp_version`]).
+
+    Returns:
+        The same model.
+    """
+    version = resolve_fsdp_version(fsdp_version)
+    try:
+        _check_shardable_layers(model)
+        if version == 1:
+            _prepare_fsdp1(model)
+        else:
+            _prepare_fsdp2(model)
+    except FSDPConfigError as err:
+        if strict:
+            raise
+        if _is_main_process():
+            logger.warning("peft_fastlora: %s", err)
     install_quant_state_hooks(model)
     return model
+
+
+def fsdp2_ignored_params(model: nn.Module) -> set[nn.Parameter]:
+    """What to pass as ``fully_shard(..., ignored_params=...)`` after [`prepare_for_fsdp`]: the packed 4-bit weights
+    when this torch cannot shard ``uint8`` parameters with FSDP2 (torch < 2.12), else nothing.
+
+    Ignored weights stay whole on every GPU and are never all-gathered (so never rewritten either).
+    """
+    if FSDP2_SHARDS_BYTES:
+        return set()
+    import bitsandbytes as bnb
+
+    return {
+        m.weight for m in model.modules() if isinstance(m, bnb.nn.Linear4bit) and not m.weight.is_floating_point()
+    }
+
+
+def fsdp_owns_adapter_dtypes(layer: nn.Module) -> bool:
+    """Whether [`prepare_for_fsdp`] prepared ``layer`` for FSDP2, whose mixed precision computes with its own copies
+    of the adapters in ``param_dtype`` (the shards keep the ``adapter_dtype`` policy's dtype): the layer must not cast
+    those copies back."""
+    return getattr(layer, _FSDP2_MARK, False)
 
 
 def fsdp_launched() -> bool:
@@ -231,7 +407,8 @@ def fsdp_launched() -> bool:
 
 
 def maybe_prepare_for_fsdp(model: nn.Module) -> nn.Module:
-    """[`prepare_for_fsdp`] (non-strict) when accelerate launched this process for FSDP; else the model unchanged."""
+    """[`prepare_for_fsdp`] (non-strict, accelerate's ``FSDP_VERSION``) when accelerate launched this process for
+    FSDP; else the model unchanged."""
     return prepare_for_fsdp(model, strict=False) if fsdp_launched() else model
 
 

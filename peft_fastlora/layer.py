@@ -16,7 +16,7 @@ from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 
 from . import ops
-from .distributed import fsdp_wraps_adapters
+from .distributed import fsdp_owns_adapter_dtypes, fsdp_wraps_adapters
 from .guard import clamp_fp16
 from .ops.quant_state import QuantizedWeight
 
@@ -113,6 +113,8 @@ class FastLoraLayer(nn.Module, LoraLayer):
 
     def _restore_adapter_dtypes(self, adapters: list[str]) -> None:
         """Undoes an outside cast of the adapters (e.g. TRL's bf16 cast) before it reaches GradScaler."""
+        if fsdp_owns_adapter_dtypes(self):  # FSDP2 mixed precision: its param_dtype copies, the shards keep the policy
+            return
         for adapter in adapters:
             policy = self.adapter_dtypes.get(adapter)
             for module in (self.lora_A[adapter], self.lora_B[adapter]):

@@ -9,9 +9,13 @@ A *scenario* is a name made of dash-separated tokens, e.g. ``"fp32-gc-mts"``:
 - ``mts``: ``modules_to_save=["lm_head"]``;
 - ``st``: ``bnb_4bit_quant_storage`` = model dtype (default uint8);
 - ``a32``: ``adapter_dtype="fp32"`` (default ``"fp32-if-fp16"``);
-- ``mp``: FSDP mixed precision with ``param_dtype`` = storage dtype;
+- ``mp``: FSDP mixed precision with ``param_dtype`` = ``reduce_dtype`` = the model dtype;
 - ``leaf``: FSDP2 also shards every ``lora_A`` / ``lora_B`` module as a unit of its own, like PEFT's
-  ``fsdp_auto_wrap_policy`` does (the HF Trainer installs that policy for PEFT models under FSDP1).
+  ``fsdp_auto_wrap_policy`` does (the HF Trainer installs that policy for PEFT models under FSDP1);
+- ``nan``: FSDP2's float copies rewrite every 16-bit word that reads as a NaN to the canonical NaN, as CUDA's do
+  (a CPU simulation, see ``fsdp_worker.cuda_nan_rewrite``);
+- ``v1``: ``prepare_for_fsdp(fsdp_version=1)`` (FSDP1's rule: packed weights stay floats) before ``fully_shard``,
+  the FSDP2 path before the fix: a control whose packed bytes must change under ``nan`` or on CUDA.
 
 Every run trains ``STEPS`` SGD steps on the same global batches; rank ``r`` of ``W`` takes rows
 ``[r * G / W, (r + 1) * G / W)`` of each global batch, so DDP/FSDP (which average gradients) and one process on the
@@ -54,11 +58,13 @@ class Scenario:
     adapter_dtype: str = "fp32-if-fp16"
     mixed_precision: bool = False
     adapter_units: bool = False
+    nan_rewrite: bool = False
+    fsdp1_rule: bool = False
 
     @classmethod
     def parse(cls, name: str) -> Scenario:
         tokens = name.split("-")
-        known = set(DTYPES) | {"ref", "gc", "gcr", "mts", "st", "a32", "mp", "leaf"}
+        known = set(DTYPES) | {"ref", "gc", "gcr", "mts", "st", "a32", "mp", "leaf", "nan", "v1"}
         unknown = [t for t in tokens if t not in known]
         if unknown:
             raise ValueError(f"unknown scenario tokens {unknown} in {name!r}; known: {sorted(known)}")
@@ -72,6 +78,8 @@ class Scenario:
             adapter_dtype="fp32" if "a32" in tokens else "fp32-if-fp16",
             mixed_precision="mp" in tokens,
             adapter_units="leaf" in tokens,
+            nan_rewrite="nan" in tokens,
+            fsdp1_rule="v1" in tokens,
         )
 
     @property

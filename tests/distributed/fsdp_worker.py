@@ -1,15 +1,19 @@
 """FSDP2 check, launched by ``torchrun --nproc-per-node 2 -m tests.distributed.fsdp_worker --model M --out D``.
 
-For each scenario (see ``_common``; FSDP scenarios need ``st``, a float ``bnb_4bit_quant_storage``):
-``prepare_for_fsdp`` -> ``fully_shard`` every decoder layer and the root (``MixedPrecisionPolicy(param_dtype=storage)``
-with ``mp``) -> save the adapter with ``peft_fastlora.distributed.save_adapter`` -> train ``STEPS`` steps -> save
-again. Rank 0 then repeats it in one process without FSDP and compares: the initial saves must be identical (files,
-config, tensors bit for bit), the trained adapters equal within the scenario's tolerance.
+For each scenario (see ``_common``; any ``bnb_4bit_quant_storage``): ``prepare_for_fsdp(fsdp_version=2)`` ->
+``fully_shard`` every decoder layer and the root (``MixedPrecisionPolicy(param_dtype=model dtype)`` with ``mp``;
+``ignored_params=fsdp2_ignored_params(model)``) -> save the adapter with ``peft_fastlora.distributed.save_adapter`` ->
+train ``STEPS`` steps -> save again. Rank 0 then repeats it in one process without FSDP and compares: the initial saves
+must be identical (files, config, tensors bit for bit), the trained adapters equal within the scenario's tolerance, and
+the all-gathered packed 4-bit bytes equal to the bytes before sharding. A ``v1`` scenario is a control (the path before
+the fix): it passes when the packed bytes did change.
 Writes ``fsdp-<scenario>.json`` to D.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -23,7 +27,7 @@ if not torch.cuda.is_available():
 
 from tests.distributed import _common as C  # noqa: E402
 
-DEFAULT_SCENARIOS = "fp32-st-a32,bf16-st-a32-mp-gc-mts,fp32-st-leaf"
+DEFAULT_SCENARIOS = "fp32-a32,bf16-st-a32-mp-gc-mts-nan,fp32-st-leaf,bf16-st-mp-nan-v1"
 
 
 def compare_saved(got: Path, ref: Path, exact_to=None) -> dict:
@@ -56,28 +60,69 @@ def compare_saved(got: Path, ref: Path, exact_to=None) -> dict:
     return result
 
 
-def shard(model, scenario: C.Scenario, device: torch.device) -> None:
+def shard(model, scenario: C.Scenario, device: torch.device) -> int:
+    """``fully_shard`` the adapters (``leaf``), every decoder layer and the root; returns how many parameters FSDP2
+    was told to leave alone (the packed weights on torch < 2.12)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from peft_fastlora.distributed import fsdp2_ignored_params
 
     policy = MixedPrecisionPolicy(param_dtype=scenario.dtype, reduce_dtype=scenario.dtype) if (
         scenario.mixed_precision
     ) else MixedPrecisionPolicy()
+    ignored = fsdp2_ignored_params(model)
+    kwargs = {"mp_policy": policy, **({"ignored_params": ignored} if ignored else {})}
     if scenario.adapter_units:
         for name, module in model.named_modules():
             if name.rsplit(".", 2)[-2:-1] in (["lora_A"], ["lora_B"]):
-                fully_shard(module, mp_policy=policy)
+                fully_shard(module, **kwargs)
     for layer in model.base_model.model.model.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return len(ignored)
+
+
+@contextlib.contextmanager
+def cuda_nan_rewrite():
+    """Makes FSDP2's copies on CPU do what CUDA's did on the GPUs (torch 2.11): every bf16/fp16 word that reads as a
+    NaN comes out as the canonical NaN ``0x7FFF``.
+
+    FSDP2 copies a unit's all-gather inputs into its buffer with ``torch._foreach_copy_`` (and casts for mixed
+    precision the same way) and out of it with ``torch.split_with_sizes_copy``. CUDA's float copy kernels load and
+    store through fp32 registers, and the fp32 -> 16-bit conversion canonicalizes NaNs; CPU copies move bytes. Only
+    16-bit float destinations change; integer (``uint8``) copies stay byte copies, as on CUDA.
+    """
+    foreach_copy, split_copy = torch._foreach_copy_, torch.split_with_sizes_copy
+
+    def canonicalize(tensors):
+        for t in tensors:
+            if t.dtype in (torch.bfloat16, torch.float16):
+                t.view(torch.int16)[t.isnan()] = 0x7FFF
+
+    def foreach_copy_like_cuda(dsts, srcs, *args, **kwargs):
+        out = foreach_copy(dsts, srcs, *args, **kwargs)
+        canonicalize(dsts)
+        return out
+
+    def split_copy_like_cuda(tensor, split_sizes, dim=0, *, out):
+        split_copy(tensor, split_sizes, dim=dim, out=out)
+        canonicalize(out)
+
+    torch._foreach_copy_, torch.split_with_sizes_copy = foreach_copy_like_cuda, split_copy_like_cuda
+    try:
+        yield
+    finally:
+        torch._foreach_copy_, torch.split_with_sizes_copy = foreach_copy, split_copy
 
 
 def watch_packed_bytes(model) -> dict:
     """Records, on the first forward of every 4-bit layer after sharding, how many bytes of the all-gathered packed
     weight differ from the bytes it had before ``fully_shard``.
 
-    On the GPUs (torch 2.11), FSDP2's all-gather copy-in (``torch._foreach_copy_`` in the storage dtype, used when all
-    parameters of a unit share one dtype) rewrote every 16-bit word of packed 4-bit codes that reads as a NaN to the
-    canonical NaN; CPU copies are byte copies. Must stay 0.
+    Before the fix, on the GPUs (torch 2.11), FSDP2's all-gather copy-in (``torch._foreach_copy_`` in the storage
+    dtype, used when all parameters of a unit share one dtype) rewrote every 16-bit word of packed 4-bit codes that
+    reads as a NaN to the canonical NaN; ``cuda_nan_rewrite`` does the same on CPU. Must stay 0 (except in a ``v1``
+    control).
     """
     from peft_fastlora.bnb import FastLoraLinear4bit
 
@@ -111,26 +156,28 @@ class _Lines(logging.Handler):
 def run_scenario(model_path: str, scenario: C.Scenario, device: torch.device, rank: int, world: int, out: Path):
     from peft_fastlora.distributed import prepare_for_fsdp, save_adapter
 
+    prepare = functools.partial(prepare_for_fsdp, fsdp_version=1 if scenario.fsdp1_rule else 2)
     C.set_kernel_path(scenario, device)
     lines = _Lines()
     logging.getLogger("peft_fastlora.distributed").addHandler(lines)
     model = C.build_model(model_path, scenario, device)
-    prepare_for_fsdp(model)
+    prepare(model)
     logging.getLogger("peft_fastlora.distributed").removeHandler(lines)
     adapter_dtypes = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
     packed = watch_packed_bytes(model)
-    shard(model, scenario, device)
     save_dir = out / f"fsdp-{scenario.name}"
-    save_adapter(model, save_dir / "init")
-    stats = C.train(model, C.make_batches(model.config.vocab_size), rank, world, device)
-    trained = C.adapter_tensors(model)  # gathers the shards: every rank
-    save_adapter(model, save_dir / "trained")
+    with cuda_nan_rewrite() if scenario.nan_rewrite else contextlib.nullcontext():
+        packed["ignored_params"] = shard(model, scenario, device)
+        save_adapter(model, save_dir / "init")
+        stats = C.train(model, C.make_batches(model.config.vocab_size), rank, world, device)
+        trained = C.adapter_tensors(model)  # gathers the shards: every rank
+        save_adapter(model, save_dir / "trained")
     result = {"ok": True, "world_size": world, "device": str(device), "adapter_dtypes": adapter_dtypes,
-              "prepare_log": lines.lines, "packed_bytes": packed, **stats}
+              "prepare_log": lines.lines, "packed_bytes": packed, "control": scenario.fsdp1_rule, **stats}
     if rank == 0:
-        ref = C.run_reference(model_path, scenario, device, prepare=prepare_for_fsdp)
+        ref = C.run_reference(model_path, scenario, device, prepare=prepare)
         ref_model = C.build_model(model_path, scenario, device)  # untrained twin for the initial save
-        prepare_for_fsdp(ref_model)
+        prepare(ref_model)
         ref_model.save_pretrained(save_dir / "init-single")
         ref["model"].save_pretrained(save_dir / "trained-single")
         result["reference_losses"] = ref["losses"]
@@ -141,10 +188,13 @@ def run_scenario(model_path: str, scenario: C.Scenario, device: torch.device, ra
         # sharded model's own gathered tensors. How far training drifted from one process is `comparison`'s job (on
         # the GPUs the old tolerance check here only repeated that comparison).
         result["save_trained"] = compare_saved(save_dir / "trained", save_dir / "trained-single", exact_to=trained)
-        result["ok"] = bool(
-            result["comparison"]["ok"] and result["save_init"]["ok"] and result["save_trained"]["ok"]
-            and not stats["no_grad_params"] and packed["changed_bytes"] == 0 and packed["layers"] > 0
-        )
+        if scenario.fsdp1_rule:  # the control passes when the packed bytes did change
+            result["ok"] = packed["changed_bytes"] > 0
+        else:
+            result["ok"] = bool(
+                result["comparison"]["ok"] and result["save_init"]["ok"] and result["save_trained"]["ok"]
+                and not stats["no_grad_params"] and packed["changed_bytes"] == 0 and packed["layers"] > 0
+            )
     return result
 
 

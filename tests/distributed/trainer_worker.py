@@ -6,8 +6,9 @@
 Trains ``STEPS`` SGD steps with ``Trainer`` (``ddp_find_unused_parameters=False``, sequential sampling, constant LR,
 no clipping), saves the adapter with ``trainer.save_model``, and on rank 0 compares the saved adapter with the same
 training done in one process on the whole global batch (``_common.run_reference``). With an FSDP accelerate config,
-``peft_fastlora.distributed.prepare_for_fsdp`` is applied first (scenarios need ``st``). Writes
-``trainer-<tag>.json`` to D (tag: ``--tag``, default the scenario).
+``peft_fastlora.distributed.prepare_for_fsdp`` is applied first, for accelerate's ``FSDP_VERSION`` (FSDP1 scenarios
+need ``st``; FSDP2 takes any storage). The packed 4-bit bytes each layer sees in its first forward must be the bytes it
+had before training (``packed_bytes``). Writes ``trainer-<tag>.json`` to D (tag: ``--tag``, default the scenario).
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ def run(args, scenario: C.Scenario) -> dict:
         def _get_train_sampler(self, *args, **kwargs):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
-    from peft_fastlora.distributed import fsdp_launched, prepare_for_fsdp
+    from peft_fastlora.bnb import FastLoraLinear4bit
+    from peft_fastlora.distributed import fsdp_launched, prepare_for_fsdp, resolve_fsdp_version
+    from tests.distributed.fsdp_worker import watch_packed_bytes
 
     if args.cpu:
         os.environ["FASTLORA_DIST_CPU"] = "1"
@@ -58,6 +61,9 @@ def run(args, scenario: C.Scenario) -> dict:
     fsdp = fsdp_launched()
     if fsdp:
         prepare_for_fsdp(model)
+    layers = [m for m in model.modules() if isinstance(m, FastLoraLinear4bit)]
+    packed_dtypes = sorted({str(m.get_base_layer().weight.dtype) for m in layers})  # FSDP2: uint8, FSDP1: storage
+    packed = watch_packed_bytes(model)
     batches = C.make_batches(model.config.vocab_size)
     dataset = _Rows(batches.reshape(-1, C.SEQ_LEN))
     training_args = TrainingArguments(
@@ -87,7 +93,8 @@ def run(args, scenario: C.Scenario) -> dict:
     trainer.save_model(str(save_dir))
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     result = {"ok": True, "world_size": world, "device": str(device), "fsdp": fsdp,
-              "distributed_type": str(trainer.accelerator.distributed_type), "losses": losses}
+              "fsdp_version": resolve_fsdp_version() if fsdp else None, "packed_dtypes": packed_dtypes,
+              "packed_bytes": packed, "distributed_type": str(trainer.accelerator.distributed_type), "losses": losses}
     if rank == 0:
         from safetensors.torch import load_file
 
@@ -97,7 +104,10 @@ def run(args, scenario: C.Scenario) -> dict:
         result["comparison"] = C.compare(saved, ref["trained"], scenario.tolerance)
         result["update_size"] = C.update_size(ref["trained"], ref["initial"])
         distributed = "NO" not in result["distributed_type"] and (not fsdp or "FSDP" in result["distributed_type"])
-        result["ok"] = bool(result["comparison"]["ok"] and world > 1 and distributed)
+        result["ok"] = bool(
+            result["comparison"]["ok"] and world > 1 and distributed
+            and packed["layers"] > 0 and packed["changed_bytes"] == 0
+        )
     return result
 
 
