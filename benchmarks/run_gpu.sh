@@ -7,7 +7,7 @@
 # 30 s later) and gets a soft budget (--budget-s) a bit shorter, after which it records the remaining work as
 # skipped. A step that fails or times out does not stop the next one. Logs: OUT_DIR/<step>.log (also on stdout).
 # Defaults fit one 10-minute command for `all` (210 s + 330 s); a single step gets 540 s. Override with
-# LAYERS_TIMEOUT=... TRAIN_TIMEOUT=... (seconds), the interpreter with PYTHON=...
+# LAYERS_TIMEOUT=... TRAIN_TIMEOUT=... (seconds), the interpreter with PYTHON=...; TRAIN_PROFILE= skips profiling.
 set -u -o pipefail
 
 OUT="${1:-benchmarks/results}"
@@ -72,7 +72,8 @@ if [ "$LAYERS_TIMEOUT" -gt 0 ]; then
   run_step layers "$LAYERS_TIMEOUT" benchmarks/bench_layers.py "${EXTRA[@]}"
 fi
 if [ "$TRAIN_TIMEOUT" -gt 0 ]; then
-  run_step train_step "$TRAIN_TIMEOUT" benchmarks/bench_train_step.py --profile fastlora-nf4,fastlora-int8 "${EXTRA[@]}"
+  PROFILE="${TRAIN_PROFILE-fastlora-nf4,fastlora-int8}"  # TRAIN_PROFILE= (empty) skips the torch.profiler runs
+  run_step train_step "$TRAIN_TIMEOUT" benchmarks/bench_train_step.py ${PROFILE:+--profile "$PROFILE"} "${EXTRA[@]}"
 fi
 echo "=== done; results in $OUT:"
 ls -la "$OUT"

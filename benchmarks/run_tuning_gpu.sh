@@ -3,11 +3,10 @@
 #
 #     bash benchmarks/run_tuning_gpu.sh OUT_DIR
 #
-#   tests   pytest -m gpu on the kernels this touches (fused small-M, dequant-in-matmul, dispatch, tuning tables)
+#   tests   pytest -m gpu on the kernels this touches (fused small-M, dispatch, tuning tables)
 #   host    benchmarks/host_overhead.py: host time per layer call, FastLoRA vs PEFT (decode and batch-1 training)
 #   tune    benchmarks/tune_small_m.py: small-M tilings + crossover per shape -> OUT_DIR/tune/small_m_configs.json
-#   dqmm    benchmarks/bench_dequant_matmul.py: Triton dequant-in-the-matmul vs dequant + cuBLAS
-# Limits (seconds) from TESTS_S, HOST_S, TUNE_S, DQMM_S; logs in OUT_DIR/<step>.log. A failing step does not stop
+# Limits (seconds) from TESTS_S, HOST_S, TUNE_S; logs in OUT_DIR/<step>.log. A failing step does not stop
 # the next one.
 set -u
 OUT=${1:?usage: bash benchmarks/run_tuning_gpu.sh OUT_DIR}
@@ -29,7 +28,6 @@ step() {
 
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 step tests "${TESTS_S:-110}" "$PY" -m pytest -m gpu -q -x -p no:cacheprovider tests/ops/test_fused_small_m.py \
-    tests/ops/test_tuned.py tests/ops/test_ops_dispatch.py tests/ops/test_dequant_matmul.py
+    tests/ops/test_tuned.py tests/ops/test_ops_dispatch.py
 step host "${HOST_S:-60}" "$PY" benchmarks/host_overhead.py --out "$OUT/host"
 step tune "${TUNE_S:-230}" "$PY" benchmarks/tune_small_m.py --out "$OUT/tune" --time-budget "$((${TUNE_S:-230} - 15))"
-step dqmm "${DQMM_S:-130}" "$PY" benchmarks/bench_dequant_matmul.py --out "$OUT/dqmm" --budget-s "$((${DQMM_S:-130} - 15))"

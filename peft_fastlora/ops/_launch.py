@@ -35,10 +35,19 @@ def _is_interpreted(kernel) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
+_PLAIN = frozenset({int, bool, str, type(None)})
+
+
 def _specialization(args: tuple) -> tuple:
+    # Runs on every launch (~40 arguments): plain values first, one type lookup each; tensors by dtype and alignment.
     return tuple(
-        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else ("f" if isinstance(a, float) else a)
-        for a in args
+        [
+            a if type(a) in _PLAIN
+            else "f" if type(a) is float
+            else (a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor)
+            else a
+            for a in args
+        ]
     )
 
 

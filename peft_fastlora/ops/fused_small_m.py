@@ -497,6 +497,8 @@ def small_m_limit(weight: QuantizedWeight, device: torch.device) -> int:
     return _small_m_limit(device, weight_kind(weight), n, k)
 
 
+# A constant for torch.compile: dynamo cannot trace the table lookup (torch.cuda.get_device_name returns a str).
+@torch.compiler.assume_constant_result
 @functools.lru_cache(maxsize=1024)
 def _small_m_limit(device: torch.device, kind: str, n: int, k: int) -> int:
     crossover = tuned_crossover(device, kind, n, k)
@@ -714,9 +716,12 @@ def small_m_forward(
     xa = None
     if lora_a is not None:
         lx = x2d if lora_x is None else lora_x.reshape(-1, k)
-        xa = F.linear(lx.to(lora_a.dtype), lora_a).contiguous()  # (M, r) in the adapter dtype, like the reference
-        lora_b = lora_b.contiguous()
-    if bias is not None:
+        if lx.dtype != lora_a.dtype:
+            lx = lx.to(lora_a.dtype)
+        xa = F.linear(lx, lora_a)  # (M, r) in the adapter dtype, like the reference; a fresh (contiguous) tensor
+        if not lora_b.is_contiguous():
+            lora_b = lora_b.contiguous()
+    if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     config = pick_config(x2d.shape[0], n, k, x.device, weight_kind(weight))
     out = _launch(x2d, weight, bias, xa, lora_b, scaling, config)

@@ -43,12 +43,17 @@ def _cuda_mm_has_out_dtype() -> bool:
         return False
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the call when it is already ``dtype`` (a no-op ``.to`` still costs host time)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, alpha: float = 1.0) -> torch.Tensor:
     """``alpha * a @ b`` returned in ``out_dtype``; fp32 results of fp16/bf16 inputs skip the rounding to 16 bits."""
     if out_dtype != a.dtype and out_dtype == torch.float32 and a.is_cuda and _cuda_mm_has_out_dtype():
         out = torch.mm(a, b, out_dtype=torch.float32)
     else:
-        out = torch.mm(a, b).to(out_dtype)
+        out = _as(torch.mm(a, b), out_dtype)
     return out if alpha == 1.0 else out.mul_(alpha)
 
 
@@ -113,13 +118,13 @@ def _forward(x, weight, bias, lora_a, lora_b, scaling, lora_x):
     if bias is None:
         out = torch.mm(x2d, w.t())
     else:
-        out = torch.addmm(bias.to(x.dtype), x2d, w.t())  # bias rides in the cuBLAS epilogue
+        out = torch.addmm(_as(bias, x.dtype), x2d, w.t())  # bias rides in the cuBLAS epilogue
     del w
     xa = None
     if lora_a is not None:
-        lx2d = x2d if lora_x is None else lora_x.to(x.dtype).reshape(-1, k)
-        xa = torch.mm(lx2d, lora_a.to(x.dtype).t())
-        out.addmm_(xa, lora_b.to(x.dtype).t(), alpha=scaling)  # y += scaling * xa @ B.T, in place
+        lx2d = x2d if lora_x is None else _as(lora_x, x.dtype).reshape(-1, k)
+        xa = torch.mm(lx2d, _as(lora_a, x.dtype).t())
+        out.addmm_(xa, _as(lora_b, x.dtype).t(), alpha=scaling)  # y += scaling * xa @ B.T, in place
     return out.view(*x.shape[:-1], n), xa
 
 
@@ -159,17 +164,17 @@ def lora_linear_backward(
     dx = dlx = da = db = dbias = None
     t = a_c = None
     if lora_a is not None:
-        a_c = lora_a.to(g.dtype)
+        a_c = _as(lora_a, g.dtype)
         if need_da or need_dlx or (need_dx and not separate_lora_x):
-            b_c = lora_b.to(g.dtype)
+            b_c = _as(lora_b, g.dtype)
             if grad_xa is None:
                 t = torch.mm(g, b_c).mul_(scaling)
             else:
-                t = torch.addmm(grad_xa.reshape(-1, a_c.shape[0]).to(g.dtype), g, b_c, alpha=scaling)
+                t = torch.addmm(_as(grad_xa.reshape(-1, a_c.shape[0]), g.dtype), g, b_c, alpha=scaling)
         if need_db:
             db = _mm(g.t(), xa.reshape(-1, a_c.shape[0]), lora_b.dtype, alpha=scaling)
         if need_da:
-            da = _mm(t.t(), lora_input.reshape(-1, k).to(g.dtype), lora_a.dtype)
+            da = _mm(t.t(), _as(lora_input.reshape(-1, k), g.dtype), lora_a.dtype)
         if need_dlx and separate_lora_x:
             dlx = torch.mm(t, a_c).view(*grad_out.shape[:-1], k)
     if need_dx:
