@@ -127,10 +127,22 @@ def fastlora_linear(
         lora_x (`torch.Tensor`, *optional*): Input of the LoRA branch (e.g. after dropout); defaults to ``x``.
     """
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        lora_x = None if lora_x is None or lora_x is x else lora_x.to(dtype)
+    if not torch.is_autocast_enabled(device_type):
+        return _dispatch(x, weight, bias, lora_a, lora_b, scaling, lora_x)
+    dtype = torch.get_autocast_dtype(device_type)
+    if lora_x is not None and lora_x is not x and lora_x.dtype != dtype:
+        lora_x = lora_x.to(dtype)
+    elif lora_x is x:
+        lora_x = None
+    if x.dtype != dtype:
         x = x.to(dtype)
+    if torch.compiler.is_compiling():
         with torch.autocast(device_type, enabled=False):
             return _dispatch(x, weight, bias, lora_a, lora_b, scaling, lora_x)
-    return _dispatch(x, weight, bias, lora_a, lora_b, scaling, lora_x)
+    # Eagerly, flip the flag instead of entering `torch.autocast(enabled=False)`: its constructor alone costs more host
+    # time than a kernel launch, on every layer of every step.
+    torch.set_autocast_enabled(device_type, False)
+    try:
+        return _dispatch(x, weight, bias, lora_a, lora_b, scaling, lora_x)
+    finally:
+        torch.set_autocast_enabled(device_type, True)
