@@ -497,10 +497,15 @@ def small_m_limit(weight: QuantizedWeight, device: torch.device) -> int:
     return _small_m_limit(device, weight_kind(weight), n, k)
 
 
-# A constant for torch.compile: dynamo cannot trace the table lookup (torch.cuda.get_device_name returns a str).
+# A constant for torch.compile: dynamo cannot trace the table lookup (torch.cuda.get_device_name returns a str), so
+# it calls this at trace time. (Marking the lru_cache wrapper itself is not honoured by torch 2.11's dynamo.)
 @torch.compiler.assume_constant_result
-@functools.lru_cache(maxsize=1024)
 def _small_m_limit(device: torch.device, kind: str, n: int, k: int) -> int:
+    return _small_m_limit_cached(device, kind, n, k)
+
+
+@functools.lru_cache(maxsize=1024)
+def _small_m_limit_cached(device: torch.device, kind: str, n: int, k: int) -> int:
     crossover = tuned_crossover(device, kind, n, k)
     return SMALL_M_MAX if crossover is None else crossover
 

@@ -315,3 +315,27 @@ def test_gpu_cuda_dispatch():
     assert y16.dtype == torch.float16
     torch.testing.assert_close(y16.float(), y.float(), atol=5e-2, rtol=5e-2)
     assert ops.dequantize(weight, torch.bfloat16).is_cuda
+
+
+def test_compile_fullgraph_reads_the_tuned_crossover(fresh_dynamo, force_triton, monkeypatch):
+    """Under torch.compile the crossover lookup (which asks CUDA for the GPU's name, a str) is a trace-time constant;
+    the table is still honoured: with a crossover of 2 rows, 2 rows take the fused op and 3 rows the autograd op."""
+    from peft_fastlora.ops import fused_small_m, tuned
+
+    def device_table(device):
+        torch._dynamo.graph_break()  # untraceable, like torch.cuda.get_device_name (returns a str) on the GPU
+        return {"kinds": {"nf4": {"40x100": {"crossover_m": 2, "configs": {}}}}}
+
+    monkeypatch.setattr(tuned, "_device_table", device_table)
+    fused_small_m._small_m_limit_cached.cache_clear()
+    try:
+        module, x = _module_and_input()
+        graphs = []
+        compiled = torch.compile(module, fullgraph=True, backend=_recording_backend(graphs))
+        with torch.no_grad():
+            for rows, op in ((2, "peft_fastlora.lora_linear_small_m"), (3, "peft_fastlora.lora_linear.default")):
+                y = compiled(x[0, :rows])
+                torch.testing.assert_close(y, module(x[0, :rows]), atol=1e-5, rtol=1e-5)
+                assert op in graphs[-1], (rows, graphs[-1])
+    finally:
+        fused_small_m._small_m_limit_cached.cache_clear()
