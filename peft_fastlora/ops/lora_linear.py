@@ -167,11 +167,16 @@ def lora_linear_backward(
         a_c = _as(lora_a, g.dtype)
         if need_da or need_dlx or (need_dx and not separate_lora_x):
             b_c = _as(lora_b, g.dtype)
-            if grad_xa is None:
+            if grad_xa is None and xa is not None and xa.dtype == g.dtype:
+                # scaling in cuBLAS' alpha: one launch instead of mm + mul_ (beta=0: xa only lends its shape)
+                t = torch.addmm(xa.reshape(-1, a_c.shape[0]), g, b_c, beta=0, alpha=scaling)
+            elif grad_xa is None:
                 t = torch.mm(g, b_c).mul_(scaling)
             else:
                 t = torch.addmm(_as(grad_xa.reshape(-1, a_c.shape[0]), g.dtype), g, b_c, alpha=scaling)
-        if need_db:
+        if need_db and lora_b.dtype == g.dtype:
+            db = torch.addmm(lora_b, g.t(), xa.reshape(-1, a_c.shape[0]), beta=0, alpha=scaling)  # as for t
+        elif need_db:
             db = _mm(g.t(), xa.reshape(-1, a_c.shape[0]), lora_b.dtype, alpha=scaling)
         if need_da:
             da = _mm(t.t(), _as(lora_input.reshape(-1, k), g.dtype), lora_a.dtype)
