@@ -57,8 +57,14 @@ def run(args, scenario: C.Scenario) -> dict:
     C.set_kernel_path(scenario, device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    model = C.build_model(args.model, scenario, device)
     fsdp = fsdp_launched()
+    ref = None
+    if rank == 0:
+        # The single-process reference runs first, before any collective: run after FSDP1 training, rank 0's model
+        # load hung in a device copy once rank 1 had left (2x H200), which is about the harness, not the product.
+        ref = C.run_reference(args.model, scenario, device, prepare=prepare_for_fsdp if fsdp else None)
+        del ref["model"]
+    model = C.build_model(args.model, scenario, device)
     if fsdp:
         prepare_for_fsdp(model)
     layers = [m for m in model.modules() if isinstance(m, FastLoraLinear4bit)]
@@ -99,7 +105,6 @@ def run(args, scenario: C.Scenario) -> dict:
         from safetensors.torch import load_file
 
         saved = {k: v.float() for k, v in load_file(save_dir / "adapter_model.safetensors").items()}
-        ref = C.run_reference(args.model, scenario, device, prepare=prepare_for_fsdp if fsdp else None)
         result["reference_losses"] = ref["losses"]
         result["comparison"] = C.compare(saved, ref["trained"], scenario.tolerance)
         result["update_size"] = C.update_size(ref["trained"], ref["initial"])
