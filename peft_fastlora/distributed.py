@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Optional, Union
 
@@ -216,8 +217,21 @@ def _adapter_policies(model: nn.Module) -> str:
     return ", ".join(repr(n) for n in names) or "?"
 
 
+# Found on 2 x H200 (torch 2.11, accelerate 1.15, transformers 5.17): FSDP1 training through the HF Trainer matched a
+# single-process run (packed bytes unchanged), but `trainer.save_model` (FULL_STATE_DICT) wrote only the
+# `modules_to_save` tensors, no LoRA weight. Not yet explained; FSDP2 and DDP save correctly.
+FSDP1_SAVE_WARNING = (
+    "Known issue: with FSDP1 (accelerate `fsdp_version: 1`) the HF Trainer's `save_model` wrote only the "
+    "`modules_to_save` tensors and none of the LoRA weights in our 2-GPU test, although training itself was correct. "
+    "Use FSDP2 (`fsdp_version: 2`; `peft_fastlora.distributed.save_adapter` for your own loops) or DDP, or check the "
+    "saved `adapter_model.safetensors` for `lora_A`/`lora_B` keys. See docs/distributed.md."
+)
+
+
 def _prepare_fsdp1(model: nn.Module) -> None:
     """FSDP1: one float storage dtype equal to the model's, adapters cast to it (logged)."""
+    if _is_main_process():
+        warnings.warn(FSDP1_SAVE_WARNING, stacklevel=3)
     storages = _storage_dtypes(model)
     if not storages:
         return
@@ -468,8 +482,9 @@ def save_adapter(model: nn.Module, output_dir: Union[str, os.PathLike], **save_k
 
     if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
         raise NotImplementedError(
-            "`save_adapter` supports plain, DDP and FSDP2 (`fully_shard`) models. For FSDP1 use the HF Trainer's "
-            "`save_model` (or accelerate's `get_state_dict`) with `fsdp_state_dict_type: FULL_STATE_DICT`."
+            "`save_adapter` supports plain, DDP and FSDP2 (`fully_shard`) models, not FSDP1 "
+            "(`FullyShardedDataParallel`). Train with FSDP2 (`fully_shard`, accelerate `fsdp_version: 2`) or DDP; "
+            "see docs/distributed.md for what FSDP1 saves."
         )
     peft_model = _unwrap(model)
     state_dict = peft_model.state_dict()

@@ -209,6 +209,15 @@ def test_fsdp2_unquantized_layer_fails_before_changing_anything(tiny_llama_path)
 # ---- FSDP1: float storage = model dtype, adapters cast ------------------------------------------------------------
 
 
+def test_fsdp1_warns_about_the_trainer_save_and_fsdp2_does_not(tiny_llama_path):
+    """FSDP1 + Trainer.save_model wrote no LoRA weight on 2 GPUs (docs/distributed.md): users are told up front."""
+    with pytest.warns(UserWarning, match=r"FSDP1 .*`save_model` wrote only the `modules_to_save` tensors"):
+        prepare_for_fsdp(_peft_model(tiny_llama_path), fsdp_version=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        prepare_for_fsdp(_peft_model(tiny_llama_path), fsdp_version=2)
+
+
 def test_fsdp1_uint8_storage_fails_before_training(tiny_llama_path):
     model = _peft_model(tiny_llama_path, storage=torch.uint8)
     with pytest.raises(FSDPConfigError, match=r"`bnb_4bit_quant_storage` is torch\.uint8") as info:
