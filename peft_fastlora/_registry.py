@@ -96,11 +96,17 @@ def register_method(config_cls, model_cls) -> None:
         PEFT_TYPE_TO_PREFIX_MAPPING[PeftType.LORA] = lora_prefix
 
 
-def hook_model_card(update_card) -> None:
+def _is_fastlora(peft_model) -> bool:
+    configs = getattr(peft_model, "peft_config", None) or {}
+    return any(getattr(c, "peft_type", None) == PEFT_TYPE_FASTLORA for c in configs.values())
+
+
+def hook_model_card(update_card, clean_state_dict=None) -> None:
     """Makes ``PeftModel.save_pretrained`` call ``update_card(peft_model, save_directory, adapter_names=...)``.
 
     It runs after PEFT has written its own card and the adapter files, on the main process only, with the adapters
-    that were actually saved (``selected_adapters``, default: all).
+    that were actually saved (``selected_adapters``, default: all). For FastLoRA models, a ``state_dict`` passed to
+    ``save_pretrained`` (the HF Trainer does, under FSDP) first goes through ``clean_state_dict``.
     """
     from peft.peft_model import PeftModel
 
@@ -109,6 +115,8 @@ def hook_model_card(update_card) -> None:
 
     @functools.wraps(original)
     def save_pretrained(self, save_directory, *args, **kwargs):
+        if clean_state_dict is not None and kwargs.get("state_dict") is not None and _is_fastlora(self):
+            kwargs["state_dict"] = clean_state_dict(kwargs["state_dict"])
         bound = inspect.signature(original).bind(self, save_directory, *args, **kwargs)
         bound.apply_defaults()
         original(self, save_directory, *args, **kwargs)

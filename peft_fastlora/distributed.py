@@ -223,8 +223,9 @@ def _adapter_policies(model: nn.Module) -> str:
 FSDP1_SAVE_WARNING = (
     "Known issue: with FSDP1 (accelerate `fsdp_version: 1`) the HF Trainer's `save_model` wrote only the "
     "`modules_to_save` tensors and none of the LoRA weights in our 2-GPU test, although training itself was correct. "
-    "Use FSDP2 (`fsdp_version: 2`; `peft_fastlora.distributed.save_adapter` for your own loops) or DDP, or check the "
-    "saved `adapter_model.safetensors` for `lora_A`/`lora_B` keys. See docs/distributed.md."
+    "FastLoRA now cleans FSDP1's wrapper names out of the saved keys (the likely cause; fixed on CPU, not yet re-run "
+    "on GPUs). Prefer FSDP2 (`fsdp_version: 2`) or DDP, or check the saved `adapter_model.safetensors` for "
+    "`lora_A`/`lora_B` keys. See docs/distributed.md."
 )
 
 
@@ -413,6 +414,27 @@ def fsdp_owns_adapter_dtypes(layer: nn.Module) -> bool:
     of the adapters in ``param_dtype`` (the shards keep the ``adapter_dtype`` policy's dtype): the layer must not cast
     those copies back."""
     return getattr(layer, _FSDP2_MARK, False)
+
+
+# Module-name segments that FSDP1 (nested units) and activation-checkpoint wrappers leave inside state-dict keys.
+WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def clean_wrapper_keys(state_dict: dict) -> dict:
+    """``state_dict`` with FSDP1 / checkpoint-wrapper segments removed from every key (the same dict if none has one).
+
+    A full FSDP1 state dict of a model whose ``lora_A`` / ``lora_B`` are FSDP units of their own (PEFT's
+    ``fsdp_auto_wrap_policy``, which the HF Trainer installs) names them ``...q_proj._fsdp_wrapped_module.lora_A...``;
+    PEFT only strips such prefixes at the start of a key, so it saved no LoRA weight (2 GPUs, and on CPU).
+    """
+    if not any(seg in key for key in state_dict for seg in WRAPPER_SEGMENTS):
+        return state_dict
+    cleaned = {}
+    for key, value in state_dict.items():
+        for seg in WRAPPER_SEGMENTS:
+            key = key.replace(seg, "")
+        cleaned[key] = value
+    return cleaned
 
 
 def fsdp_launched() -> bool:

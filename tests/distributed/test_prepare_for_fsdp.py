@@ -356,3 +356,43 @@ def test_off_device_tensors_names_stray_buffers():
     assert C.off_device_tensors(module, torch.device("cpu")) == []
     module.register_buffer("counter", torch.zeros((), device="meta"))
     assert C.off_device_tensors(module, torch.device("cpu")) == ["counter (meta)"]
+
+
+# ---- saving a state dict with FSDP1 wrapper names -----------------------------------------------------------------
+
+
+def _wrapped_like_fsdp1(state_dict: dict) -> dict:
+    """Keys as a full FSDP1 state dict names them when every lora_A / lora_B is a nested FSDP unit and the decoder
+    layers are checkpoint-wrapped units: the wrapper segments sit in the middle of the key."""
+    out = {}
+    for key, value in state_dict.items():
+        for part in (".lora_A.", ".lora_B."):
+            key = key.replace(part, "._fsdp_wrapped_module" + part)
+        out[key.replace(".layers.0.", ".layers.0._checkpoint_wrapped_module.")] = value
+    return out
+
+
+def test_save_pretrained_cleans_fsdp1_wrapper_names(tiny_llama_path, tmp_path):
+    from safetensors.torch import load_file
+
+    model = _peft_model(tiny_llama_path, modules_to_save=["lm_head"])
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param)  # not zeros: the comparison must see real values
+    model.save_pretrained(tmp_path / "plain")
+    dirty = _wrapped_like_fsdp1(model.state_dict())
+    assert sum("_fsdp_wrapped_module" in k for k in dirty) > 0
+    model.save_pretrained(tmp_path / "fsdp1", state_dict=dirty)
+    plain = load_file(tmp_path / "plain/adapter_model.safetensors")
+    cleaned = load_file(tmp_path / "fsdp1/adapter_model.safetensors")
+    assert sorted(cleaned) == sorted(plain) and any("lora_A" in k for k in cleaned)
+    assert all(torch.equal(cleaned[k], plain[k]) for k in plain)
+
+
+def test_clean_wrapper_keys_is_a_no_op_without_wrappers():
+    from peft_fastlora.distributed import clean_wrapper_keys
+
+    state = {"base_model.model.lm_head.weight": torch.randn(2)}
+    assert clean_wrapper_keys(state) is state
+    dirty = {"a._fsdp_wrapped_module.b._checkpoint_wrapped_module.c.lora_A.weight": 1}
+    assert clean_wrapper_keys(dirty) == {"a.b.c.lora_A.weight": 1}
