@@ -157,3 +157,13 @@ def test_failing_provider_becomes_error_row(tmp_path):
     _, _, gen_rows = read(tmp_path / "train" / "generation.csv")
     assert [r["status"] for r in gen_rows] == ["error"]
     check_png(tmp_path / "train" / "train_step.png")
+
+
+def test_gpu_only_scripts_explain_themselves_on_cpu(tmp_path):
+    """host_overhead.py measures CUDA launch overhead: on CPU it prints why it cannot run and exits 2; --help works."""
+    assert "Host (CPU) time per layer call" in run_python(["benchmarks/host_overhead.py", "--help"], tmp_path)
+    proc = subprocess.run([sys.executable, "benchmarks/host_overhead.py", "--out", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+    assert proc.returncode == 2 and "needs a GPU" in proc.stdout, proc.stdout + proc.stderr
+    for script in ("run_tuning_gpu.sh", "run_gpu.sh", "run_distributed_gpu.sh"):
+        assert subprocess.run(["bash", "-n", str(BENCH / script)]).returncode == 0, f"{script} has a syntax error"
