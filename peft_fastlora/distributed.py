@@ -222,10 +222,9 @@ def _adapter_policies(model: nn.Module) -> str:
 # `modules_to_save` tensors, no LoRA weight. Not yet explained; FSDP2 and DDP save correctly.
 FSDP1_SAVE_WARNING = (
     "Known issue: with FSDP1 (accelerate `fsdp_version: 1`) the HF Trainer's `save_model` wrote only the "
-    "`modules_to_save` tensors and none of the LoRA weights in our 2-GPU test, although training itself was correct. "
-    "FastLoRA now cleans FSDP1's wrapper names out of the saved keys (the likely cause; fixed on CPU, not yet re-run "
-    "on GPUs). Prefer FSDP2 (`fsdp_version: 2`) or DDP, or check the saved `adapter_model.safetensors` for "
-    "`lora_A`/`lora_B` keys. See docs/distributed.md."
+    "`modules_to_save` tensors and none of the LoRA weights in our 2-GPU test, although training itself was correct "
+    "(cause not found yet). Use FSDP2 (`fsdp_version: 2`) or DDP, both verified on 2 GPUs, or check the saved "
+    "`adapter_model.safetensors` for `lora_A`/`lora_B` keys. See docs/distributed.md."
 )
 
 
@@ -424,8 +423,8 @@ def clean_wrapper_keys(state_dict: dict) -> dict:
     """``state_dict`` with FSDP1 / checkpoint-wrapper segments removed from every key (the same dict if none has one).
 
     A full FSDP1 state dict of a model whose ``lora_A`` / ``lora_B`` are FSDP units of their own (PEFT's
-    ``fsdp_auto_wrap_policy``, which the HF Trainer installs) names them ``...q_proj._fsdp_wrapped_module.lora_A...``;
-    PEFT only strips such prefixes at the start of a key, so it saved no LoRA weight (2 GPUs, and on CPU).
+    ``fsdp_auto_wrap_policy``) can name them ``...q_proj._fsdp_wrapped_module.lora_A...`` (seen on CPU); PEFT only
+    strips such segments at the start of a key, and would drop those tensors from the saved adapter.
     """
     if not any(seg in key for key in state_dict for seg in WRAPPER_SEGMENTS):
         return state_dict
