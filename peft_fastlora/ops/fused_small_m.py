@@ -17,7 +17,10 @@ up-projection ``(x_lora @ A.T) @ B.T`` (the tiny ``x_lora @ A.T`` is a torch mat
 cast to ``x.dtype``. No host syncs and data-independent allocations, so it can be captured in a CUDA graph.
 
 Numerics follow ``reference.lora_linear_ref``: W is dequantized exactly as ``dequantize_4bit`` does and rounded to
-``x.dtype`` before the multiply; sums are fp32 (in a different order than torch, hence the test tolerances).
+``x.dtype`` before the multiply; sums are fp32 (in a different order than torch, hence the test tolerances). One
+exception, ``SmallMConfig.factor_scales`` (M = 1, 4-bit rows of whole absmax blocks, the default there): each block's
+``code * x`` products are summed first and scaled once, so W is never rounded to ``x.dtype`` (more accurate than the
+reference; the tests bound it against the fp32 W).
 """
 
 from __future__ import annotations
