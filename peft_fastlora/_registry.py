@@ -8,6 +8,7 @@ internals differ.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -17,6 +18,7 @@ from packaging.version import Version
 SUPPORTED_PEFT = (Version("0.21.0"), Version("0.22.0"))
 FASTLORA = "FASTLORA"
 _CARD_HOOK_MARK = "_peft_fastlora_card_hook"
+_STATE_DICT_HOOK_MARK = "_peft_fastlora_state_dict_hook"
 
 
 class UnsupportedPeftVersionError(ImportError):
@@ -46,6 +48,7 @@ def check_peft_version() -> None:
         (mapping, "PEFT_TYPE_TO_TUNER_MAPPING"),
         (mapping, "PEFT_TYPE_TO_PREFIX_MAPPING"),
         (peft_model.PeftModel, "save_pretrained"),
+        (peft.tuners.lora.LoraModel, "_get_adapter_state_dict"),
     ]:
         if not hasattr(owner, name):
             _fail(f"has no `{getattr(owner, '__name__', owner)}.{name}`")
@@ -84,6 +87,9 @@ def register_method(config_cls, model_cls) -> None:
     from peft.utils import register_peft_method
     from peft.utils.peft_types import PeftType
 
+    from .distributed import clean_wrapper_name
+
+    hook_adapter_state_dict(model_cls, clean_wrapper_name)
     peft_type = extend_peft_type()
     if peft_type in PEFT_TYPE_TO_TUNER_MAPPING:
         PEFT_TYPE_TO_CONFIG_MAPPING[peft_type] = config_cls
@@ -94,6 +100,46 @@ def register_method(config_cls, model_cls) -> None:
         register_peft_method(name=FASTLORA.lower(), config_cls=config_cls, model_cls=model_cls, prefix=lora_prefix)
     finally:
         PEFT_TYPE_TO_PREFIX_MAPPING[PeftType.LORA] = lora_prefix
+
+
+class _CleanNamesView:
+    """``model`` as PEFT's adapter-key selection should see it: ``named_modules`` yields names without wrapper
+    segments (``clean_name``), i.e. the names its full state dict uses; every other attribute is the model's."""
+
+    def __init__(self, model, clean_name):
+        self._model = model
+        self._clean_name = clean_name
+
+    def named_modules(self, *args, **kwargs):
+        for name, module in self._model.named_modules(*args, **kwargs):
+            yield self._clean_name(name), module
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def hook_adapter_state_dict(model_cls, clean_name) -> None:
+    """Makes ``model_cls._get_adapter_state_dict`` (PEFT's selection of the adapter's entries of a state dict) match
+    module names without FSDP1 / checkpoint-wrapper segments (``clean_name``).
+
+    PEFT 0.21 selects the adapter keys by the names of the tuner layers' modules and strips ``_fsdp_wrapped_module.``
+    only at the start of a name. Under FSDP1 with nested units (the HF Trainer wraps every decoder layer, and PEFT's
+    ``fsdp_auto_wrap_policy`` every ``lora_A`` / ``lora_B``) a layer is named ``...layers.0._fsdp_wrapped_module.
+    self_attn.q_proj`` while the FULL_STATE_DICT keys are ``...layers.0.self_attn.q_proj.lora_A.default.weight``:
+    nothing matched, and ``Trainer.save_model`` wrote only the ``modules_to_save`` tensors. A no-op without such names.
+    """
+    original = model_cls._get_adapter_state_dict  # bound to model_cls: calls LoRA's (and PEFT's base) selection
+    original = getattr(original, _STATE_DICT_HOOK_MARK, original)
+
+    def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
+        if any(clean_name(name) != name for name, _ in model.named_modules()):
+            model = _CleanNamesView(model, clean_name)
+        return original(model, config, adapter_name, state_dict, unwanted_adapter_names)
+
+    _get_adapter_state_dict.__doc__ = original.__doc__
+    hooked = classmethod(_get_adapter_state_dict)
+    setattr(_get_adapter_state_dict, _STATE_DICT_HOOK_MARK, original)
+    model_cls._get_adapter_state_dict = hooked
 
 
 def _is_fastlora(peft_model) -> bool:
@@ -115,11 +161,16 @@ def hook_model_card(update_card, clean_state_dict=None) -> None:
 
     @functools.wraps(original)
     def save_pretrained(self, save_directory, *args, **kwargs):
+        context = contextlib.nullcontext()
         if clean_state_dict is not None and kwargs.get("state_dict") is not None and _is_fastlora(self):
+            from .distributed import fsdp1_module_state_from
+
             kwargs["state_dict"] = clean_state_dict(kwargs["state_dict"])
+            context = fsdp1_module_state_from(self, kwargs["state_dict"])
         bound = inspect.signature(original).bind(self, save_directory, *args, **kwargs)
         bound.apply_defaults()
-        original(self, save_directory, *args, **kwargs)
+        with context:
+            original(self, save_directory, *args, **kwargs)
         if bound.arguments.get("is_main_process", True):
             selected = bound.arguments.get("selected_adapters") or list(self.peft_config)
             update_card(self, save_directory, adapter_names=list(selected))

@@ -37,6 +37,7 @@ only inside that module's forward; a FastLoRA layer must then call those modules
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -217,14 +218,16 @@ def _adapter_policies(model: nn.Module) -> str:
     return ", ".join(repr(n) for n in names) or "?"
 
 
-# Found on 2 x H200 (torch 2.11, accelerate 1.15, transformers 5.17): FSDP1 training through the HF Trainer matched a
-# single-process run (packed bytes unchanged), but `trainer.save_model` (FULL_STATE_DICT) wrote only the
-# `modules_to_save` tensors, no LoRA weight. Not yet explained; FSDP2 and DDP save correctly.
+# Found on 2 x H200 (torch 2.11, accelerate 1.15, transformers 5.17) and reproduced on CPU: FSDP1 training through the
+# HF Trainer matched a single-process run, but `trainer.save_model` wrote only the `modules_to_save` tensors. Two PEFT
+# 0.21 behaviours, both handled now (`_registry.hook_adapter_state_dict`, `fsdp1_module_state_from`); the warning stays
+# until a 2-GPU run confirms the fix.
 FSDP1_SAVE_WARNING = (
-    "Known issue: with FSDP1 (accelerate `fsdp_version: 1`) the HF Trainer's `save_model` wrote only the "
-    "`modules_to_save` tensors and none of the LoRA weights in our 2-GPU test, although training itself was correct "
-    "(cause not found yet). Use FSDP2 (`fsdp_version: 2`) or DDP, both verified on 2 GPUs, or check the saved "
-    "`adapter_model.safetensors` for `lora_A`/`lora_B` keys. See docs/distributed.md."
+    "With FSDP1 (accelerate `fsdp_version: 1`) the HF Trainer's `save_model` wrote no LoRA weight in our 2-GPU test "
+    "(PEFT matched adapter keys by module names that FSDP1 had changed, and a `modules_to_save` unit all-gathered on "
+    "the main process only). FastLoRA now handles both (verified on CPU with torch's FSDP1, not yet on GPUs): check "
+    "that the saved `adapter_model.safetensors` has `lora_A`/`lora_B` keys, or use FSDP2 or DDP (verified on 2 GPUs). "
+    "See docs/distributed.md."
 )
 
 
@@ -419,21 +422,22 @@ def fsdp_owns_adapter_dtypes(layer: nn.Module) -> bool:
 WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 
+def clean_wrapper_name(name: str) -> str:
+    """``name`` (a module name or state-dict key) without FSDP1 / checkpoint-wrapper segments."""
+    for seg in WRAPPER_SEGMENTS:
+        name = name.replace(seg, "")
+    return name
+
+
 def clean_wrapper_keys(state_dict: dict) -> dict:
     """``state_dict`` with FSDP1 / checkpoint-wrapper segments removed from every key (the same dict if none has one).
 
-    A full FSDP1 state dict of a model whose ``lora_A`` / ``lora_B`` are FSDP units of their own (PEFT's
-    ``fsdp_auto_wrap_policy``) can name them ``...q_proj._fsdp_wrapped_module.lora_A...`` (seen on CPU); PEFT only
-    strips such segments at the start of a key, and would drop those tensors from the saved adapter.
+    FSDP1's FULL_STATE_DICT keys came out clean in the CPU reproduction of the FSDP1 save bug (the module *names* were
+    not: see ``_registry.hook_adapter_state_dict``); this keeps a hand-gathered state dict with wrapper names working.
     """
     if not any(seg in key for key in state_dict for seg in WRAPPER_SEGMENTS):
         return state_dict
-    cleaned = {}
-    for key, value in state_dict.items():
-        for seg in WRAPPER_SEGMENTS:
-            key = key.replace(seg, "")
-        cleaned[key] = value
-    return cleaned
+    return {clean_wrapper_name(key): value for key, value in state_dict.items()}
 
 
 def fsdp_launched() -> bool:
@@ -520,3 +524,32 @@ def save_adapter(model: nn.Module, output_dir: Union[str, os.PathLike], **save_k
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+@contextlib.contextmanager
+def fsdp1_module_state_from(peft_model: nn.Module, state_dict: dict):
+    """While saving ``peft_model`` with a gathered ``state_dict``, every FSDP1 unit inside a ``modules_to_save``
+    wrapper answers ``state_dict()`` with its slice of ``state_dict`` instead of all-gathering its shard.
+
+    PEFT reads ``modules_to_save[adapter].state_dict()`` for the key names; for an FSDP1 unit (PEFT's
+    ``fsdp_auto_wrap_policy`` makes one of every trainable leaf) that is a collective, but the HF Trainer calls
+    ``save_pretrained`` on the main process only: the save hung (seen on CPU/gloo, 2 processes).
+    """
+    from peft.utils.other import ModulesToSaveWrapper
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    patched = []
+    for name, wrapper in peft_model.named_modules():
+        if not isinstance(wrapper, ModulesToSaveWrapper):
+            continue
+        for adapter, unit in wrapper.modules_to_save.items():
+            if isinstance(unit, FullyShardedDataParallel):
+                prefix = f"{clean_wrapper_name(name)}.modules_to_save.{adapter}."
+                part = {k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)}
+                unit.state_dict = functools.partial(dict, part)  # an instance attribute shadows the method
+                patched.append(unit)
+    try:
+        yield
+    finally:
+        for unit in patched:
+            del unit.state_dict

@@ -211,7 +211,7 @@ def test_fsdp2_unquantized_layer_fails_before_changing_anything(tiny_llama_path)
 
 def test_fsdp1_warns_about_the_trainer_save_and_fsdp2_does_not(tiny_llama_path):
     """FSDP1 + Trainer.save_model wrote no LoRA weight on 2 GPUs (docs/distributed.md): users are told up front."""
-    with pytest.warns(UserWarning, match=r"FSDP1 .*`save_model` wrote only the `modules_to_save` tensors"):
+    with pytest.warns(UserWarning, match=r"FSDP1 .*`save_model` wrote no LoRA weight"):
         prepare_for_fsdp(_peft_model(tiny_llama_path), fsdp_version=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
