@@ -229,11 +229,15 @@ def run_generation(model, args, device: torch.device, vocab: int) -> dict:
     # Warm up with the full length: every new KV length can pick (and, for cuDNN attention, build) new kernels, and a
     # short warm-up left that cost in the first provider's timed run.
     generate(args.gen_tokens)
-    C.sync(device)
-    start = time.perf_counter()
-    out = generate(args.gen_tokens)
-    C.sync(device)
-    seconds = time.perf_counter() - start
+    # Median of several timed runs: one generate is host-bound and a single timing moved by up to 1.4x between runs.
+    times = []
+    for _ in range(args.gen_repeats):
+        C.sync(device)
+        start = time.perf_counter()
+        out = generate(args.gen_tokens)
+        C.sync(device)
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
     new = out.shape[1] - prompt.shape[1]
     return dict(prompt=args.prompt_len, new_tokens=new, seconds=seconds, tokens_per_s=new / seconds)
 
@@ -419,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 5; quick 3, tiny 2)")
     p.add_argument("--gen-tokens", type=int, default=None, help="new tokens for generation (default 128; tiny 8)")
     p.add_argument("--prompt-len", type=int, default=None, help="generation prompt length (default 32; tiny 4)")
+    p.add_argument("--gen-repeats", type=int, default=3, help="timed generate calls per provider, median (default 3)")
     p.add_argument("--gen-providers", default=",".join(GEN_PROVIDERS), help="providers to time generation for")
     p.add_argument("--no-gen", action="store_true", help="skip generation")
     p.add_argument("--lora-dropout", type=float, default=0.0)
@@ -443,6 +448,8 @@ def _defaults(args) -> None:
     args.steps = args.steps or (2 if tiny else 3 if quick else 5)
     args.gen_tokens = args.gen_tokens or (8 if tiny else 128)
     args.prompt_len = args.prompt_len or (4 if tiny else 32)
+    if args.gen_repeats < 1:
+        raise SystemExit(f"bench_train_step.py: error: --gen-repeats must be >= 1, got {args.gen_repeats}")
     batches = C.parse_csv_arg(args.batches)
     args.batches = [int(b) for b in batches] if batches else ([1, 2] if tiny else [1] if quick else [1, 4])
     args.ckpts = {"both": ["off", "on"], "off": ["off"], "on": ["on"]}[args.ckpt]
@@ -488,7 +495,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"providers={providers} r={RANK} all-linear dropout={args.lora_dropout} "
                   f"adapters={args.adapter_dtype} "
                   f"warmup_steps={args.warmup_steps} steps={args.steps} gen={gen_providers} "
-                  f"gen_tokens={args.gen_tokens}")  # fmt: skip
+                  f"gen_tokens={args.gen_tokens} gen_repeats={args.gen_repeats}")  # fmt: skip
     C.print_header("bench_train_step: Llama-3-8B-shaped model, LoRA training + generation (ratios within THIS run)",
                    env)  # fmt: skip
     log = C.CsvLog(out / "train_step.csv", TRAIN_COLUMNS, env)
