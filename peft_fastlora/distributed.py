@@ -415,7 +415,7 @@ def fsdp_owns_adapter_dtypes(layer: nn.Module) -> bool:
     """Whether [`prepare_for_fsdp`] prepared ``layer`` for FSDP2, whose mixed precision computes with its own copies
     of the adapters in ``param_dtype`` (the shards keep the ``adapter_dtype`` policy's dtype): the layer must not cast
     those copies back."""
-    return getattr(layer, _FSDP2_MARK, False)
+    return layer.__dict__.get(_FSDP2_MARK, False)  # runs every forward: a dict lookup, no AttributeError
 
 
 # Module-name segments that FSDP1 (nested units) and activation-checkpoint wrappers leave inside state-dict keys.
