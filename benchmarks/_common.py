@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import datetime
 import gc
+import hashlib
 import importlib.metadata
 import logging
 import math
@@ -51,13 +52,32 @@ def _version(module: str) -> str:
 
 
 def _git_revision() -> str:
+    """Short HEAD, with ``+modified`` when the package or benchmark sources differ from it (a copied working tree can
+    carry an older ``.git``: the device machines reported the session's first commit for later code)."""
     try:
-        out = subprocess.run(
+        head = subprocess.run(
             ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
-        )
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--", "peft_fastlora", "benchmarks"],
+            capture_output=True, text=True, timeout=5,
+        ).stdout.strip()  # fmt: skip
     except Exception:
         return "unknown"
-    return out.stdout.strip() or "no commit"
+    return (head + ("+modified" if dirty else "")) if head else "no commit"
+
+
+def source_digest() -> str:
+    """sha256 (12 hex digits) of the package's source files: identifies the code that ran, whatever git says.
+
+    To match a CSV to a commit, check the commit out and run
+    ``python -c "import sys; sys.path[:0] = ['benchmarks']; import _common; print(_common.source_digest())"``.
+    """
+    digest = hashlib.sha256()
+    package = REPO_ROOT / "peft_fastlora"
+    for path in sorted([*package.rglob("*.py"), *package.rglob("*.json")]):
+        digest.update(path.relative_to(REPO_ROOT).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
 
 
 def env_info(device: torch.device) -> dict[str, str]:
@@ -75,7 +95,7 @@ def env_info(device: torch.device) -> dict[str, str]:
         "transformers": _version("transformers"),
         "peft": _version("peft"),
         "bitsandbytes": _version("bitsandbytes"),
-        "peft_fastlora": f"{_version('peft_fastlora')} (git {_git_revision()})",
+        "peft_fastlora": f"{_version('peft_fastlora')} (git {_git_revision()}, source {source_digest()})",
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
