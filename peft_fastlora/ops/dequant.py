@@ -341,6 +341,19 @@ def _launch_dequant_4bit(
     launch(_dequant_4bit_kernel, grid, before + (out,) + after, device, **options)
 
 
+def _run_plan(kernel, plan: tuple, shape: tuple, dtype: torch.dtype, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """Allocates (or checks) the output and launches a memoized dequant plan into it; an empty weight launches
+    nothing."""
+    device, grid, before, after, options = plan
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=device)
+    else:
+        _check_out(out, shape, dtype, device)
+    if out.numel():
+        launch(kernel, grid, before + (out,) + after, device, **options)
+    return out
+
+
 def dequantize_4bit(weight: Packed4bit, dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Dequantizes a 4-bit NF4/FP4 weight in one Triton launch, bit-exact with [`dequantize_4bit_ref`].
 
@@ -356,13 +369,8 @@ def dequantize_4bit(weight: Packed4bit, dtype: torch.dtype, out: Optional[torch.
         `torch.Tensor`: The ``(out_features, in_features)`` weight in ``dtype`` (``out`` when given).
     """
     key = (dtype, weight.data.data_ptr(), weight.absmax.data_ptr())
-    device, grid, before, after, options = _cached(weight, key, lambda: _plan_4bit(weight, dtype))
-    if out is None:
-        out = torch.empty(weight.shape, dtype=dtype, device=device)
-    else:
-        _check_out(out, weight.shape, dtype, device)
-    launch(_dequant_4bit_kernel, grid, before + (out,) + after, device, **options)
-    return out
+    plan = _cached(weight, key, lambda: _plan_4bit(weight, dtype))
+    return _run_plan(_dequant_4bit_kernel, plan, weight.shape, dtype, out)
 
 
 def _plan_int8(weight: Int8Rowwise, dtype: torch.dtype) -> tuple:
@@ -390,15 +398,8 @@ def dequantize_int8(weight: Int8Rowwise, dtype: torch.dtype, out: Optional[torch
         `torch.Tensor`: The weight in ``dtype`` (``out`` when given).
     """
     key = (dtype, weight.cb.data_ptr(), weight.scb.data_ptr())
-    device, grid, before, after, options = _cached(weight, key, lambda: _plan_int8(weight, dtype))
-    if out is None:
-        out = torch.empty(weight.shape, dtype=dtype, device=device)
-    else:
-        _check_out(out, weight.shape, dtype, device)
-    if out.numel() == 0:
-        return out
-    launch(_dequant_int8_kernel, grid, before + (out,) + after, device, **options)
-    return out
+    plan = _cached(weight, key, lambda: _plan_int8(weight, dtype))
+    return _run_plan(_dequant_int8_kernel, plan, weight.shape, dtype, out)
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
