@@ -130,10 +130,10 @@ def fastlora_linear(
     if not torch.is_autocast_enabled(device_type):
         return _dispatch(x, weight, bias, lora_a, lora_b, scaling, lora_x)
     dtype = torch.get_autocast_dtype(device_type)
-    if lora_x is not None and lora_x is not x and lora_x.dtype != dtype:
+    if lora_x is x:
+        lora_x = None  # before x is cast: the LoRA branch keeps reading x
+    elif lora_x is not None and lora_x.dtype != dtype:
         lora_x = lora_x.to(dtype)
-    elif lora_x is x:
-        lora_x = None
     if x.dtype != dtype:
         x = x.to(dtype)
     if torch.compiler.is_compiling():

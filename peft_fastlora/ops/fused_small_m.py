@@ -513,16 +513,12 @@ def _small_m_limit_cached(device: torch.device, kind: str, n: int, k: int) -> in
     return SMALL_M_MAX if crossover is None else crossover
 
 
+@functools.lru_cache(maxsize=4096)
 def pick_config(m: int, n: int, k: int, device: torch.device, kind: str = "nf4") -> SmallMConfig:
     """The tiling for ``m`` rows of an ``(n, k)`` weight: measured (``tuned.py``) when tabled, else a heuristic.
 
     Memoized: the dispatcher calls it on every decode step.
     """
-    return _pick_config(m, n, k, device, kind)
-
-
-@functools.lru_cache(maxsize=4096)
-def _pick_config(m: int, n: int, k: int, device: torch.device, kind: str) -> SmallMConfig:
     tuned = tuned_config(device, kind, m, n, k)
     if tuned is not None:
         return SmallMConfig(**tuned)

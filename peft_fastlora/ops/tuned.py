@@ -75,10 +75,14 @@ def _device_table(device: torch.device) -> dict:
     return _table(os.environ.get(CONFIGS_ENV)).get(name, {})
 
 
+def _shape_entry(device_table: dict, kind: str, n: int, k: int) -> dict:
+    return device_table.get("kinds", {}).get(kind, {}).get(f"{n}x{k}") or {}
+
+
 def lookup_config(device_table: dict, kind: str, m: int, n: int, k: int) -> Optional[dict[str, Any]]:
     """The tiling for ``m`` rows in one GPU's table (``{"kinds": ...}``): the entry of the smallest tabled M >= ``m``
     (else the largest); ``None`` when the shape is not tabled or the entry is an M=1 FMA tiling and ``m > 1``."""
-    entry = device_table.get("kinds", {}).get(kind, {}).get(f"{n}x{k}") or {}
+    entry = _shape_entry(device_table, kind, n, k)
     configs = {int(key): value for key, value in entry.get("configs", {}).items()}
     if not configs:
         return None
@@ -91,8 +95,7 @@ def lookup_config(device_table: dict, kind: str, m: int, n: int, k: int) -> Opti
 
 def lookup_crossover(device_table: dict, kind: str, n: int, k: int) -> Optional[int]:
     """The tabled crossover M of one GPU's table, or ``None``."""
-    entry = device_table.get("kinds", {}).get(kind, {}).get(f"{n}x{k}") or {}
-    value = entry.get("crossover_m")
+    value = _shape_entry(device_table, kind, n, k).get("crossover_m")
     return None if value is None else int(value)
 
 
