@@ -6,7 +6,7 @@ Importing the package registers ``PeftType.FASTLORA`` with PEFT, so ``get_peft_m
 
 from . import _registry
 from .config import FastLoraConfig
-from .distributed import clean_wrapper_keys, prepare_for_fsdp
+from .distributed import clean_wrapper_keys, clean_wrapper_name, fsdp1_module_state_from, prepare_for_fsdp
 from .dtypes import ADAPTER_DTYPE_POLICIES, resolve_adapter_dtype
 from .export import export_lora, load_lora_as_fastlora
 from .guard import overflow_report
@@ -17,7 +17,10 @@ from .trainer_check import FastLoraFp16Callback
 
 _registry.check_peft_version()
 _registry.register_method(FastLoraConfig, FastLoraModel)
-_registry.hook_model_card(update_model_card, clean_state_dict=clean_wrapper_keys)
+_registry.hook_adapter_state_dict(FastLoraModel, clean_wrapper_name)
+_registry.hook_model_card(
+    update_model_card, clean_state_dict=clean_wrapper_keys, saving_context=fsdp1_module_state_from
+)
 
 __version__ = "0.1.0"
 __all__ = [

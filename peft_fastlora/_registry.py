@@ -87,9 +87,6 @@ def register_method(config_cls, model_cls) -> None:
     from peft.utils import register_peft_method
     from peft.utils.peft_types import PeftType
 
-    from .distributed import clean_wrapper_name
-
-    hook_adapter_state_dict(model_cls, clean_wrapper_name)
     peft_type = extend_peft_type()
     if peft_type in PEFT_TYPE_TO_TUNER_MAPPING:
         PEFT_TYPE_TO_CONFIG_MAPPING[peft_type] = config_cls
@@ -147,12 +144,13 @@ def _is_fastlora(peft_model) -> bool:
     return any(getattr(c, "peft_type", None) == PEFT_TYPE_FASTLORA for c in configs.values())
 
 
-def hook_model_card(update_card, clean_state_dict=None) -> None:
+def hook_model_card(update_card, clean_state_dict=None, saving_context=None) -> None:
     """Makes ``PeftModel.save_pretrained`` call ``update_card(peft_model, save_directory, adapter_names=...)``.
 
     It runs after PEFT has written its own card and the adapter files, on the main process only, with the adapters
-    that were actually saved (``selected_adapters``, default: all). For FastLoRA models, a ``state_dict`` passed to
-    ``save_pretrained`` (the HF Trainer does, under FSDP) first goes through ``clean_state_dict``.
+    that were actually saved (``selected_adapters``, default: all). For FastLoRA models given a ``state_dict`` (the
+    HF Trainer passes one under FSDP), that dict first goes through ``clean_state_dict`` and PEFT's save runs inside
+    ``saving_context(peft_model, state_dict)``.
     """
     from peft.peft_model import PeftModel
 
@@ -162,11 +160,11 @@ def hook_model_card(update_card, clean_state_dict=None) -> None:
     @functools.wraps(original)
     def save_pretrained(self, save_directory, *args, **kwargs):
         context = contextlib.nullcontext()
-        if clean_state_dict is not None and kwargs.get("state_dict") is not None and _is_fastlora(self):
-            from .distributed import fsdp1_module_state_from
-
-            kwargs["state_dict"] = clean_state_dict(kwargs["state_dict"])
-            context = fsdp1_module_state_from(self, kwargs["state_dict"])
+        if kwargs.get("state_dict") is not None and _is_fastlora(self):
+            if clean_state_dict is not None:
+                kwargs["state_dict"] = clean_state_dict(kwargs["state_dict"])
+            if saving_context is not None:
+                context = saving_context(self, kwargs["state_dict"])
         bound = inspect.signature(original).bind(self, save_directory, *args, **kwargs)
         bound.apply_defaults()
         with context:
