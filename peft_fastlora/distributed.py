@@ -187,16 +187,7 @@ def _storage_dtypes(model: nn.Module) -> dict[torch.dtype, str]:
 
 def _adapter_params(model: nn.Module) -> set[int]:
     """ids of the parameters that take the storage dtype: every trainable one and every LoRA weight (even frozen)."""
-    from peft.tuners.lora import LoraLayer
-
-    ids = {id(p) for p in model.parameters() if p.requires_grad}
-    for module in model.modules():
-        if isinstance(module, LoraLayer):
-            for attr in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
-                container = getattr(module, attr, None)
-                if container is not None:
-                    ids.update(id(p) for p in container.parameters())
-    return ids
+    return {id(p) for p in model.parameters() if p.requires_grad} | {id(p) for p in _lora_params(model)}
 
 
 def _lora_params(model: nn.Module) -> list[nn.Parameter]:
