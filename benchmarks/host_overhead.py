@@ -43,14 +43,8 @@ def host_us(fn, calls: int = 300, repeats: int = 5) -> float:
 
 def layer_fn(layer, mode: str, k: int, n: int, device: torch.device):
     if mode == "decode":
-        layer.eval()
-        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
-
-        def decode():
-            with torch.no_grad():
-                return layer(x)
-
-        return decode
+        return BL.make_fn(layer, "infer", 1, k, n, device)  # one row, no grad
+    # Unlike bench_layers' train mode: 16 rows under bf16 autocast, as in a training step.
     layer.train()
     x = torch.randn(16, k, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(16, n, device=device, dtype=torch.bfloat16)
