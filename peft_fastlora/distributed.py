@@ -209,23 +209,13 @@ def _adapter_policies(model: nn.Module) -> str:
     return ", ".join(repr(n) for n in names) or "?"
 
 
-# Found on 2 x H200 (torch 2.11, accelerate 1.15, transformers 5.17) and reproduced on CPU: FSDP1 training through the
-# HF Trainer matched a single-process run, but `trainer.save_model` wrote only the `modules_to_save` tensors. Two PEFT
-# 0.21 behaviours, both handled now (`_registry.hook_adapter_state_dict`, `fsdp1_module_state_from`); the warning stays
-# until a 2-GPU run confirms the fix.
-FSDP1_SAVE_WARNING = (
-    "With FSDP1 (accelerate `fsdp_version: 1`) the HF Trainer's `save_model` wrote no LoRA weight in our 2-GPU test "
-    "(PEFT matched adapter keys by module names that FSDP1 had changed, and a `modules_to_save` unit all-gathered on "
-    "the main process only). FastLoRA now handles both (verified on CPU with torch's FSDP1, not yet on GPUs): check "
-    "that the saved `adapter_model.safetensors` has `lora_A`/`lora_B` keys, or use FSDP2 or DDP (verified on 2 GPUs). "
-    "See docs/distributed.md."
-)
-
-
 def _prepare_fsdp1(model: nn.Module) -> None:
-    """FSDP1: one float storage dtype equal to the model's, adapters cast to it (logged)."""
-    if _is_main_process():
-        warnings.warn(FSDP1_SAVE_WARNING, stacklevel=3)
+    """FSDP1: one float storage dtype equal to the model's, adapters cast to it (logged).
+
+    Saving under FSDP1 needs two more fixes, installed at import time: PEFT 0.21 picks adapter keys by module names
+    that FSDP1 nesting changes (`_registry.hook_adapter_state_dict`), and a `modules_to_save` unit all-gathers its
+    state on the main process only (`fsdp1_module_state_from`). Verified on 2 GPUs with the HF Trainer.
+    """
     storages = _storage_dtypes(model)
     if not storages:
         return
