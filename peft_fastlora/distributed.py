@@ -41,7 +41,6 @@ import contextlib
 import functools
 import logging
 import os
-import warnings
 from pathlib import Path
 from typing import Optional, Union
 
