@@ -13,8 +13,16 @@ each program keeps two tiles of DRAM reads in flight without spending registers 
 
 With ``SPLIT_K > 1`` every program stores its fp32 partial sums in a workspace and bumps a per-tile counter; the
 program that arrives last adds the partials in split order (deterministic) and runs the epilogue: bias, the LoRA
-up-projection ``(x_lora @ A.T) @ B.T`` (the tiny ``x_lora @ A.T`` is a torch matmul made before the launch) and the
-cast to ``x.dtype``. No host syncs and data-independent allocations, so it can be captured in a CUDA graph.
+term ``(x_lora @ A.T) @ B.T`` and the cast to ``x.dtype``. No host syncs and data-independent allocations, so it can
+be captured in a CUDA graph.
+
+The LoRA down-projection ``xa = x_lora @ A.T`` (M x r, a few thousand MACs) is made inside the same launch instead
+of as a separate matmul before it (6-7 us of a 15-40 us decode call on the H200). K is cut into at most 16 chunks;
+the first programs of the grid (the first dispatched) each compute one chunk's fp32 partial of ``xa`` before their
+own tile, store it and count it (release). An epilogue waits for the count (acquire) and sums the partials in one
+fixed order (deterministic). Correctness never depends on the scheduler: an epilogue that does not see the full
+count within a bounded number of polls (zero under the interpreter, which runs programs one after another) makes the
+chunks itself with the same code, so the sum is the same bits either way.
 
 Numerics follow ``reference.lora_linear_ref``: W is dequantized exactly as ``dequantize_4bit`` does and rounded to
 ``x.dtype`` before the multiply; sums are fp32 (in a different order than torch, hence the test tolerances). One
@@ -30,7 +38,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -53,6 +60,16 @@ from .tuned import tuned_config, tuned_crossover
 
 # Largest number of rows this path is meant for; the dispatcher (not this file) decides when to use it.
 SMALL_M_MAX = 16
+
+# xa = x_lora @ A.T is cut into at most this many K chunks, each made by one program (see the module docstring).
+XA_MAX_CHUNKS = 16
+# Counter polls (one L2 atomic each) before an epilogue makes the xa chunks itself. The producers are the first
+# programs dispatched, so on a GPU the count is normally complete at the first poll; the bound only guarantees
+# progress whatever the scheduler does.
+XA_POLLS = 1 << 14
+# Each M tile's chunk counter is kept in this many copies, one 128-byte line apart: the epilogues of different
+# N tiles poll different copies instead of all one address.
+XA_COPIES, XA_COPY_STRIDE = 8, 32
 
 # How the kernel reads W. ALIGNED: 4-bit with rows made of whole absmax blocks (K % blocksize == 0, every real
 # model), loaded as (BLOCK_N, sub-blocks, bytes) so one scale serves a run of bytes. ANY: 4-bit of any shape, one
@@ -256,10 +273,9 @@ def _epilogue(
     R,
     scaling,
     bias_ptr,
-    xa_ptr,  # (M, R) x_lora @ A.T, adapter dtype
+    xa,  # x_lora @ A.T in the adapter dtype: (BLOCK_R, BLOCK_M) for the MMA path, (1, BLOCK_R) for M = 1
     lora_b_ptr,  # (N, R)
     out_ptr,  # (M, N)
-    stride_xam,
     stride_bn,
     stride_om,
     HAS_BIAS: tl.constexpr,
@@ -281,22 +297,173 @@ def _epilogue(
         mask_r = offs_r < R
         b_ptrs = lora_b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :]
         b = tl.load(b_ptrs, mask=mask_n[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_N, BLOCK_R)
-        if USE_DOT:
-            xa_ptrs = xa_ptr + offs_m[None, :] * stride_xam + offs_r[:, None]
-            xa_t = tl.load(xa_ptrs, mask=mask_r[:, None] & mask_m[None, :], other=0.0)  # (BLOCK_R, BLOCK_M)
-            b = b.to(xa_t.dtype)  # the reference casts B to the adapter (A) dtype
+        b = b.to(xa.dtype)  # the reference casts B to the adapter (A) dtype
+        if USE_DOT:  # xa: (BLOCK_R, BLOCK_M)
             if LORA_DOT_FP32:
-                lora = tl.dot(b.to(tl.float32), xa_t.to(tl.float32), input_precision="ieee")
+                lora = tl.dot(b.to(tl.float32), xa.to(tl.float32), input_precision="ieee")
             else:
-                lora = tl.dot(b, xa_t)
-        else:
-            xa_ptrs = xa_ptr + offs_m[:, None] * stride_xam + offs_r[None, :]
-            xa = tl.load(xa_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)  # (1, BLOCK_R)
-            b = b.to(xa.dtype)
+                lora = tl.dot(b, xa)
+        else:  # xa: (1, BLOCK_R)
             lora = tl.sum(b.to(tl.float32) * xa.to(tl.float32), axis=1)[:, None]
         acc += lora * scaling
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     tl.store(out_ptrs, _round_to(acc, out_ty, INTERPRET), mask=mask_n[:, None] & mask_m[None, :])
+
+
+@triton.jit
+def _lora_down_chunk(
+    lx_ptr,  # (M, K) LoRA input rows, unit stride along K
+    lora_a_ptr,  # (R, K)
+    offs_m,
+    k_lo,
+    k_hi,
+    M,
+    R,
+    stride_lxm,
+    stride_an,
+    USE_DOT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    XA_BLOCK_K: tl.constexpr,
+):
+    """fp32 partial of xa = x_lora.to(A.dtype) @ A.T over x_lora[:, k_lo : k_hi]: (BLOCK_R, BLOCK_M) for the MMA
+    path (xa transposed, as the epilogue's dot takes it), (1, BLOCK_R) for M = 1."""
+    a_ty = lora_a_ptr.dtype.element_ty
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    if USE_DOT:
+        part = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
+    else:
+        part = tl.zeros((1, BLOCK_R), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, XA_BLOCK_K):
+        offs_k = k0 + tl.arange(0, XA_BLOCK_K)
+        mask_k = offs_k < k_hi
+        a = tl.load(lora_a_ptr + offs_r[:, None] * stride_an + offs_k[None, :], mask=mask_r[:, None] & mask_k[None, :],
+                    other=0.0)  # (BLOCK_R, XA_BLOCK_K)  # fmt: skip
+        if USE_DOT:
+            x_t = tl.load(lx_ptr + offs_m[None, :] * stride_lxm + offs_k[:, None],
+                          mask=mask_k[:, None] & (offs_m < M)[None, :], other=0.0)  # fmt: skip
+            x_t = x_t.to(a_ty)  # (XA_BLOCK_K, BLOCK_M), rounded to the adapter dtype like the reference
+            if DOT_FP32:
+                part = tl.dot(a.to(tl.float32), x_t.to(tl.float32), part, input_precision="ieee")
+            else:
+                part = tl.dot(a, x_t, part)
+        else:
+            x = tl.load(lx_ptr + offs_m[:, None] * stride_lxm + offs_k[None, :], mask=mask_k[None, :], other=0.0)
+            x = x.to(a_ty).to(tl.float32)  # (1, XA_BLOCK_K)
+            part += tl.sum(a.to(tl.float32) * x, axis=1)[None, :]
+    return part
+
+
+@triton.jit
+def _chunk_tile_offsets(USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Offsets of one chunk partial's elements inside its (BLOCK_R * BLOCK_M) slot of the workspace."""
+    if USE_DOT:
+        offs = tl.arange(0, BLOCK_R)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    else:
+        offs = tl.arange(0, BLOCK_R)[None, :]
+    return offs
+
+
+@triton.jit
+def _lora_down(
+    lx_ptr,
+    lora_a_ptr,
+    xa_part_ptr,  # (m tiles, XA_MAX_CHUNKS, BLOCK_R * BLOCK_M) fp32 chunk partials
+    xa_count_ptr,  # (m tiles, XA_COPIES, XA_COPY_STRIDE) int32 zeros: chunks stored so far, in XA_COPIES copies
+    offs_m,
+    pid_n,
+    pid_m,
+    n_chunks,
+    xa_chunk,
+    M,
+    K,
+    R,
+    stride_lxm,
+    stride_an,
+    USE_DOT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    XA_BLOCK_K: tl.constexpr,
+    XA_MAX_CHUNKS: tl.constexpr,
+    XA_COPIES: tl.constexpr,
+    XA_COPY_STRIDE: tl.constexpr,
+    XA_POLLS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """xa = x_lora @ A.T for this program's rows, in the adapter dtype: the chunk partials summed in one fixed order.
+
+    Waits (``XA_POLLS`` polls at most) until the producers have stored every chunk; if they have not, makes every
+    chunk here and stores it into the same slots (the same code gives the same bits, so a slot a producer writes
+    too holds the same value), then sums as usual. The counter polled is one of ``XA_COPIES`` copies (by tile), so
+    that the epilogues of many tiles do not all hit one address.
+    """
+    count_ptr = xa_count_ptr + (pid_m * XA_COPIES + pid_n % XA_COPIES) * XA_COPY_STRIDE
+    done = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    polls = 0
+    while (done < n_chunks) & (polls < XA_POLLS):
+        done = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+        polls += 1
+    slots = xa_part_ptr + pid_m * (XA_MAX_CHUNKS * BLOCK_R * BLOCK_M)
+    offs = _chunk_tile_offsets(USE_DOT, BLOCK_M, BLOCK_R)
+    if done < n_chunks:
+        for c in range(0, n_chunks):
+            k_lo = c * xa_chunk
+            part = _lora_down_chunk(lx_ptr, lora_a_ptr, offs_m, k_lo, tl.minimum(k_lo + xa_chunk, K), M, R,
+                                    stride_lxm, stride_an, USE_DOT, DOT_FP32, BLOCK_M, BLOCK_R, XA_BLOCK_K)  # fmt: skip
+            tl.store(slots + c * (BLOCK_R * BLOCK_M) + offs, part)
+        tl.debug_barrier()
+    # All chunk partials in one load, read from L2 (.cg), not a stale L1 line; missing chunks read as 0.
+    chunks = tl.arange(0, XA_MAX_CHUNKS)
+    if USE_DOT:
+        ptrs = slots + chunks[:, None, None] * (BLOCK_R * BLOCK_M) + offs[None, :, :]
+        parts = tl.load(ptrs, mask=(chunks < n_chunks)[:, None, None], other=0.0, cache_modifier=".cg")
+        xa = tl.sum(parts, axis=0)  # (BLOCK_R, BLOCK_M)
+    else:
+        ptrs = slots + chunks[:, None] * (BLOCK_R * BLOCK_M) + tl.arange(0, BLOCK_R)[None, :]
+        parts = tl.load(ptrs, mask=(chunks < n_chunks)[:, None], other=0.0, cache_modifier=".cg")
+        xa = tl.sum(parts, axis=0)[None, :]  # (1, BLOCK_R)
+    return _round_to(xa, lora_a_ptr.dtype.element_ty, INTERPRET)
+
+
+@triton.jit
+def _lora_down_if(
+    lx_ptr,
+    lora_a_ptr,
+    xa_part_ptr,
+    xa_count_ptr,
+    offs_m,
+    pid_n,
+    pid_m,
+    n_chunks,
+    xa_chunk,
+    M,
+    K,
+    R,
+    stride_lxm,
+    stride_an,
+    HAS_LORA: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    XA_BLOCK_K: tl.constexpr,
+    XA_MAX_CHUNKS: tl.constexpr,
+    XA_COPIES: tl.constexpr,
+    XA_COPY_STRIDE: tl.constexpr,
+    XA_POLLS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """[`_lora_down`] when there is a LoRA term; else a placeholder the epilogue never reads."""
+    if HAS_LORA:
+        xa = _lora_down(lx_ptr, lora_a_ptr, xa_part_ptr, xa_count_ptr, offs_m, pid_n, pid_m, n_chunks, xa_chunk, M,
+                        K, R, stride_lxm, stride_an, USE_DOT, DOT_FP32, BLOCK_M, BLOCK_R, XA_BLOCK_K, XA_MAX_CHUNKS,
+                        XA_COPIES, XA_COPY_STRIDE, XA_POLLS, INTERPRET)  # fmt: skip
+    else:
+        xa = tl.zeros((1, BLOCK_R), dtype=tl.float32)
+    return xa
 
 
 @triton.jit
@@ -309,11 +476,14 @@ def _fused_small_m_kernel(
     nested_absmax_ptr,
     offset_ptr,
     bias_ptr,  # (N,)
-    xa_ptr,  # (M, R)
+    lx_ptr,  # (M, K) LoRA input rows (x or x_lora), unit stride along K
+    lora_a_ptr,  # (R, K)
     lora_b_ptr,  # (N, R)
     out_ptr,  # (M, N) in x.dtype
     partial_ptr,  # (SPLIT_K, M, N) fp32 workspace (SPLIT_K > 1)
     arrivals_ptr,  # (tiles,) int32 zeros (SPLIT_K > 1)
+    xa_part_ptr,  # (m tiles, XA_MAX_CHUNKS, BLOCK_R * BLOCK_M) fp32 workspace (HAS_LORA)
+    xa_count_ptr,  # (m tiles, XA_COPIES, XA_COPY_STRIDE) int32 zeros (HAS_LORA)
     M,
     N,
     K,
@@ -321,10 +491,13 @@ def _fused_small_m_kernel(
     scaling,
     stride_xm,
     stride_wn,
-    stride_xam,
+    stride_lxm,
+    stride_an,
     stride_bn,
     stride_om,
     k_per_split,  # multiple of BLOCK_K
+    n_chunks,  # K chunks of xa, each made by one program: n_chunks <= programs per M tile
+    xa_chunk,  # multiple of XA_BLOCK_K
     WEIGHT_KIND: tl.constexpr,
     BLOCKSIZE: tl.constexpr,
     NESTED: tl.constexpr,
@@ -340,6 +513,11 @@ def _fused_small_m_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    XA_BLOCK_K: tl.constexpr,
+    XA_MAX_CHUNKS: tl.constexpr,
+    XA_COPIES: tl.constexpr,  # copies of each chunk counter, XA_COPY_STRIDE int32 apart (own 128-byte lines)
+    XA_COPY_STRIDE: tl.constexpr,
+    XA_POLLS: tl.constexpr,  # counter polls before an epilogue makes the xa chunks itself (0: interpreter)
     INTERPRET: tl.constexpr,
     FACTOR_SCALES: tl.constexpr,  # M = 1, ALIGNED 4-bit: scale applied per sub-block (see _factored_row_dot)
     MUL_RN: tl.constexpr,  # exact nested-absmax decode with fp fusion on (compiled kernels; see _decode_absmax)
@@ -352,6 +530,23 @@ def _fused_small_m_kernel(
     x_ty = x_ptr.dtype.element_ty
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+
+    if HAS_LORA:
+        # Programs are dispatched in order of their linear id (pid_n fastest): the first n_chunks of each M tile make
+        # one xa chunk each, before their own tile, so the epilogues (after a whole tile) rarely wait for it.
+        chunk = pid_n + pid_k * tl.num_programs(0)
+        if chunk < n_chunks:
+            k_lo = chunk * xa_chunk
+            k_hi = tl.minimum(k_lo + xa_chunk, K)
+            part = _lora_down_chunk(lx_ptr, lora_a_ptr, offs_m, k_lo, k_hi, M, R, stride_lxm, stride_an, USE_DOT,
+                                    LORA_DOT_FP32, BLOCK_M, BLOCK_R, XA_BLOCK_K)  # fmt: skip
+            slot = (pid_m * XA_MAX_CHUNKS + chunk) * (BLOCK_R * BLOCK_M)
+            tl.store(xa_part_ptr + slot + _chunk_tile_offsets(USE_DOT, BLOCK_M, BLOCK_R), part)
+            # Every thread's store is done before one thread counts the chunk (release, GPU scope), in every copy.
+            tl.debug_barrier()
+            for copy in tl.static_range(XA_COPIES):
+                count_ptr = xa_count_ptr + (pid_m * XA_COPIES + copy) * XA_COPY_STRIDE
+                tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
 
     # Software prefetch: the reads of tile i + 1 (weight codes, scales, x) are issued before tile i is decoded and
     # multiplied. (Triton's own pipeliner, num_stages > 1, would also stage the per-element code-table gathers
@@ -426,6 +621,11 @@ def _fused_small_m_kernel(
                 acc += tl.sum(w.to(tl.float32) * x_cur.to(tl.float32), axis=1)[:, None]
 
     if SPLIT_K == 1:
+        xa = _lora_down_if(
+            lx_ptr, lora_a_ptr, xa_part_ptr, xa_count_ptr, offs_m, pid_n, pid_m, n_chunks, xa_chunk, M, K, R,
+            stride_lxm, stride_an, HAS_LORA, USE_DOT, LORA_DOT_FP32, BLOCK_M, BLOCK_R, XA_BLOCK_K, XA_MAX_CHUNKS,
+            XA_COPIES, XA_COPY_STRIDE, XA_POLLS, INTERPRET,
+        )
         _epilogue(
             acc,
             offs_n,
@@ -435,10 +635,9 @@ def _fused_small_m_kernel(
             R,
             scaling,
             bias_ptr,
-            xa_ptr,
+            xa,
             lora_b_ptr,
             out_ptr,
-            stride_xam,
             stride_bn,
             stride_om,
             HAS_BIAS,
@@ -460,6 +659,11 @@ def _fused_small_m_kernel(
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(partial_ptr + s * M * N + tile_offs, mask=tile_mask, other=0.0, cache_modifier=".cg")
+            xa = _lora_down_if(
+                lx_ptr, lora_a_ptr, xa_part_ptr, xa_count_ptr, offs_m, pid_n, pid_m, n_chunks, xa_chunk, M, K, R,
+                stride_lxm, stride_an, HAS_LORA, USE_DOT, LORA_DOT_FP32, BLOCK_M, BLOCK_R, XA_BLOCK_K, XA_MAX_CHUNKS,
+                XA_COPIES, XA_COPY_STRIDE, XA_POLLS, INTERPRET,
+            )
             _epilogue(
                 total,
                 offs_n,
@@ -469,10 +673,9 @@ def _fused_small_m_kernel(
                 R,
                 scaling,
                 bias_ptr,
-                xa_ptr,
+                xa,
                 lora_b_ptr,
                 out_ptr,
-                stride_xam,
                 stride_bn,
                 stride_om,
                 HAS_BIAS,
@@ -600,19 +803,34 @@ def _build_weight_args(weight: QuantizedWeight, block_k: int) -> tuple[tuple, tu
     return (data, weight.absmax, weight.code, nested_code, nested_absmax, offset, k // 2), meta
 
 
+def _xa_chunking(k: int, programs_per_m_tile: int) -> tuple[int, int, int]:
+    """(XA_BLOCK_K, chunk, n_chunks) of ``xa = x_lora @ A.T``: at most ``XA_MAX_CHUNKS`` chunks and no more than the
+    programs that make them; ``chunk`` is a multiple of ``XA_BLOCK_K``."""
+    xa_block_k = min(128, max(16, next_power_of_2(k)))
+    wanted = min(XA_MAX_CHUNKS, programs_per_m_tile)
+    chunk = max(xa_block_k, next_power_of_2(cdiv(k, wanted)))
+    return xa_block_k, chunk, cdiv(k, chunk)
+
+
 def _launch(
     x2d: torch.Tensor,
     weight: QuantizedWeight,
     bias: Optional[torch.Tensor],
-    xa: Optional[torch.Tensor],
+    lora_x2d: Optional[torch.Tensor],
+    lora_a: Optional[torch.Tensor],
     lora_b: Optional[torch.Tensor],
     scaling: float,
     config: SmallMConfig,
 ) -> torch.Tensor:
-    """Runs the kernel on (M, K) rows with an explicit tiling; ``xa = x_lora @ A.T`` already computed."""
+    """Runs the kernel on (M, K) rows with an explicit tiling.
+
+    ``lora_x2d``: the LoRA branch's (M, K) input rows (``x2d`` itself when there is no separate one), unit stride
+    along K; ``lora_a``/``lora_b`` contiguous, or both ``None``.
+    """
     m, k = x2d.shape
     n = weight.shape[0]
-    out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
+    device = x2d.device
+    out = torch.empty((m, n), dtype=x2d.dtype, device=device)
     if m == 0:
         return out
     block_m = 16 if config.use_dot else 1
@@ -620,25 +838,34 @@ def _launch(
     k_per_split = cdiv(cdiv(k, block_k), config.split_k) * block_k
     split_k = cdiv(k, k_per_split)  # no empty splits
     grid = (cdiv(n, block_n), split_k, cdiv(m, block_m))
-    if split_k > 1:
-        partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x2d.device)
-        arrivals = torch.zeros(grid[0] * grid[2], dtype=torch.int32, device=x2d.device)
-    else:
-        partial = arrivals = out
+    has_lora = lora_a is not None
+    r = lora_a.shape[0] if has_lora else 0
+    block_r = max(16, next_power_of_2(r))
+    xa_block_k, xa_chunk, n_chunks = _xa_chunking(k, grid[0] * grid[1]) if has_lora else (16, k, 0)
+    # One zeroed int32 buffer (one memset) holds the split-K arrival counters and the xa chunk flags.
+    n_arrivals = grid[0] * grid[2] if split_k > 1 else 0
+    n_counts = grid[2] * XA_COPIES * XA_COPY_STRIDE if has_lora else 0
+    counters = torch.zeros(n_arrivals + n_counts, dtype=torch.int32, device=device) if n_arrivals + n_counts else out
+    arrivals = counters[:n_arrivals] if n_arrivals else out
+    xa_count = (counters[n_arrivals:] if n_arrivals else counters) if n_counts else out
+    partial = torch.empty((split_k, m, n), dtype=torch.float32, device=device) if split_k > 1 else out
+    xa_part_size = grid[2] * XA_MAX_CHUNKS * block_r * block_m
+    xa_part = torch.empty(xa_part_size, dtype=torch.float32, device=device) if has_lora else out
     w_args, w_meta = _weight_args(weight, block_k)
-    has_lora = xa is not None
-    r = xa.shape[1] if has_lora else 0
     interpret = _is_interpreted(_fused_small_m_kernel)
-    _require_launchable(x2d.device)
+    _require_launchable(device)
     args = (
         x2d,
         *w_args[:6],
         bias if bias is not None else out,
-        xa if has_lora else out,
+        lora_x2d if has_lora else out,
+        lora_a if has_lora else out,
         lora_b if has_lora else out,
         out,
         partial,
         arrivals,
+        xa_part,
+        xa_count,
         m,
         n,
         k,
@@ -646,21 +873,29 @@ def _launch(
         float(scaling),
         x2d.stride(0),
         w_args[6],
-        xa.stride(0) if has_lora else 0,
+        lora_x2d.stride(0) if has_lora else 0,
+        lora_a.stride(0) if has_lora else 0,
         lora_b.stride(0) if has_lora else 0,
         out.stride(0),
         k_per_split,
+        n_chunks,
+        xa_chunk,
         *w_meta,  # WEIGHT_KIND, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB
         bias is not None,  # HAS_BIAS
         has_lora,  # HAS_LORA
         config.use_dot,  # USE_DOT
         interpret or x2d.dtype == torch.float32,  # DOT_FP32
-        interpret or (has_lora and xa.dtype == torch.float32),  # LORA_DOT_FP32
+        interpret or (has_lora and lora_a.dtype == torch.float32),  # LORA_DOT_FP32
         block_m,
         block_n,
         block_k,
-        max(16, next_power_of_2(r)),  # BLOCK_R
+        block_r,
         split_k,
+        xa_block_k,
+        XA_MAX_CHUNKS,
+        XA_COPIES,
+        XA_COPY_STRIDE,
+        0 if interpret else XA_POLLS,  # the interpreter runs programs one by one: a flag not up now never will be
         interpret,
         config.factor_scales and not config.use_dot and w_meta[0] == _KIND_4BIT_ALIGNED,  # FACTOR_SCALES
         not interpret,  # MUL_RN
@@ -717,16 +952,17 @@ def small_m_forward(
     x2d = x.reshape(-1, k)
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
-    xa = None
+    lx2d = None
     if lora_a is not None:
-        lx = x2d if lora_x is None else lora_x.reshape(-1, k)
-        if lx.dtype != lora_a.dtype:
-            lx = lx.to(lora_a.dtype)
-        xa = F.linear(lx, lora_a)  # (M, r) in the adapter dtype, like the reference; a fresh (contiguous) tensor
+        lx2d = x2d if lora_x is None else lora_x.reshape(-1, k)
+        if lx2d.stride(-1) != 1:
+            lx2d = lx2d.contiguous()
+        if not lora_a.is_contiguous():
+            lora_a = lora_a.contiguous()
         if not lora_b.is_contiguous():
             lora_b = lora_b.contiguous()
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     config = pick_config(x2d.shape[0], n, k, x.device, weight_kind(weight))
-    out = _launch(x2d, weight, bias, xa, lora_b, scaling, config)
+    out = _launch(x2d, weight, bias, lx2d, lora_a, lora_b, scaling, config)
     return out.reshape(*lead, n)

@@ -198,10 +198,48 @@ TILINGS = [
 def test_tilings_and_split_k(kind, m, config, dtype, atol, rtol):
     weight = make_weight(kind, N, K)
     x, bias, a, b, lx = make_inputs((m,), N, K, dtype)
-    xa = F.linear(lx.to(a.dtype), a)
-    y = _launch(x, weight, bias, xa, b, 0.5, config)
+    y = _launch(x, weight, bias, lx, a, b, 0.5, config)
     check(y, x, weight, bias, a, b, 0.5, lx, atol, rtol, factored_scales=factored(weight, config))
-    assert torch.equal(y, _launch(x, weight, bias, xa, b, 0.5, config)), "split-K reduction is not deterministic"
+    assert torch.equal(y, _launch(x, weight, bias, lx, a, b, 0.5, config)), "split-K reduction is not deterministic"
+
+
+XA_CASES = [
+    # (kind, rows, tiling): K = 640 gives 5 xa chunks of 128 (K % 128 != 0 would end in a short chunk: see 700)
+    ("nf4-64-nested", 1, SmallMConfig(use_dot=False, block_n=16, block_k=128, split_k=1)),
+    ("nf4-64-nested", 1, SmallMConfig(use_dot=False, block_n=8, block_k=64, split_k=3)),
+    ("int8", 3, SmallMConfig(use_dot=True, block_n=16, block_k=64, split_k=2)),
+    ("fp4-64", 20, SmallMConfig(use_dot=True, block_n=32, block_k=128, split_k=1)),
+]
+
+
+@pytest.mark.parametrize("k", [640, 700])
+@pytest.mark.parametrize("dtype,atol,rtol", [TOLERANCES[0], TOLERANCES[1]], ids=str)
+@pytest.mark.parametrize("kind,m,config", XA_CASES, ids=str)
+def test_lora_down_projection_in_chunks(kind, m, config, dtype, atol, rtol, k):
+    """xa = x_lora @ A.T is made in K chunks by the first programs; epilogues that find a chunk's flag down make it
+    themselves (the interpreter runs programs one by one, so both happen in one launch). Either way: right and the
+    same bits on every call."""
+    from peft_fastlora.ops.fused_small_m import _xa_chunking
+
+    if kind.startswith("fp4") and k % 64:
+        pytest.skip("fp4-64 rows of whole blocks only here")
+    weight = make_weight(kind, N, k)
+    x, bias, a, b, lx = make_inputs((m,), N, k, dtype, r=12, adapter_dtype=torch.float32 if m == 3 else None)
+    grid_n = -(-N // config.block_n)
+    assert _xa_chunking(k, grid_n * config.split_k)[2] > 1  # several chunks, so the ordering matters
+    y = _launch(x, weight, bias, lx, a, b, 0.75, config)
+    check(y, x, weight, bias, a, b, 0.75, lx, atol, rtol, factored_scales=factored(weight, config))
+    assert torch.equal(y, _launch(x, weight, bias, lx, a, b, 0.75, config))
+
+
+def test_xa_chunking_never_needs_more_programs_than_there_are():
+    from peft_fastlora.ops.fused_small_m import XA_MAX_CHUNKS, _xa_chunking
+
+    for k in (16, 33, 192, 640, 4096, 14336, 14337):
+        for programs in (1, 2, 3, 7, 16, 1024):
+            block, chunk, n_chunks = _xa_chunking(k, programs)
+            assert chunk % block == 0 and n_chunks * chunk >= k > (n_chunks - 1) * chunk
+            assert n_chunks <= min(programs, XA_MAX_CHUNKS), (k, programs, n_chunks)
 
 
 def test_no_rows_and_strided_rows():
@@ -284,11 +322,10 @@ def test_gpu_split_k_is_deterministic(config):
     weight = make_weight("nf4-64-nested", n, k)
     m = 1 if not config.use_dot else 16
     x, bias, a, b, _ = make_inputs((m,), n, k, torch.bfloat16, r=16)
-    xa = F.linear(x, a)
-    first = _launch(x, weight, bias, xa, b, 2.0, config)
+    first = _launch(x, weight, bias, x, a, b, 2.0, config)
     check(first, x, weight, bias, a, b, 2.0, None, *TOLERANCES[2][1:], factored_scales=factored(weight, config))
     for _ in range(50):
-        assert torch.equal(_launch(x, weight, bias, xa, b, 2.0, config), first)
+        assert torch.equal(_launch(x, weight, bias, x, a, b, 2.0, config), first)
 
 
 def test_check_still_fails_on_a_real_error():
