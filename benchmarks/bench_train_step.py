@@ -12,8 +12,18 @@ Providers, all measured in the same run (LoRA r=16 on every linear layer, AdamW,
 
 Each trains at sequence 2048, batch 1 and 4, with and without gradient checkpointing (non-reentrant): tokens/s is
 the median over timed steps after warm-up (``torch.cuda.synchronize`` around each step), peak memory is
-``torch.cuda.max_memory_allocated`` since a reset before the first step. Greedy generation (batch 1, 128 new tokens,
-adapter active) gives decode tokens/s. ``--profile PROVIDER`` writes the top-20 CUDA kernels of one training step.
+``torch.cuda.max_memory_allocated`` since a reset before the first step. One provider's model is resident at a time
+during training, so no other model inflates its peak. ``--profile PROVIDER`` writes the top-20 CUDA kernels of one
+training step.
+
+Greedy generation (batch 1, 128 new tokens, adapter active) gives decode tokens/s, in its own phase after all
+training: every ``--gen-providers`` model is loaded and kept resident, warmed up with one full-length generate, then
+timed in ``--gen-repeats`` interleaved rounds (one generate per provider per round; round i starts at provider
+i mod P). One generate is host-bound and its time drifts with the host (baselines moved 1.4x between runs while
+FastLoRA stayed put), so each provider reports the median and min/max tokens/s over the rounds, and the ratio to
+bf16 LoRA is also taken round by round (``ratio_to_bf16_round_*``): a same-round ratio cancels the drift, and the
+generation target uses its median. With ``--budget-s``, training and profiling stop ``--gen-reserve-s`` early so that
+the generation phase keeps its share of the budget.
 
 GPU:   python benchmarks/bench_train_step.py --out benchmarks/results
 CI:    python benchmarks/bench_train_step.py --device cpu --tiny --out /tmp/x
@@ -28,6 +38,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
@@ -84,9 +95,12 @@ TRAIN_COLUMNS = [
     "median_step_ms", "tokens_per_s", "ratio_to_bf16", "ratio_to_peft_bnb", "peak_GiB", "peak_vs_peft_bnb",
     "resident_GiB", "loss", "ref_tokens_per_s", "ref_peak_GiB", "load_s", "status", "error",
 ]  # fmt: skip
+# tokens_per_s (and seconds) are medians over the rounds; round_tokens_per_s lists every round's, ";"-separated, so
+# that the same-round ratios (ratio_to_bf16_round_*) can be derived again from the CSV (--replot).
 GEN_COLUMNS = [
-    "provider", "quant", "tuner", "prompt", "new_tokens", "seconds", "tokens_per_s", "ratio_to_bf16",
-    "ratio_to_peft_bnb", "ref_tokens_per_s", "status", "error",
+    "provider", "quant", "tuner", "prompt", "new_tokens", "repeats", "seconds", "tokens_per_s", "tokens_per_s_min",
+    "tokens_per_s_max", "ratio_to_bf16", "ratio_to_bf16_round_median", "ratio_to_bf16_round_min",
+    "ratio_to_bf16_round_max", "ratio_to_peft_bnb", "ref_tokens_per_s", "round_tokens_per_s", "status", "error",
 ]  # fmt: skip
 SETUP_COLUMNS = ["step", "provider", "seconds", "note"]
 
@@ -216,30 +230,66 @@ def run_training(model, batch: int, ckpt: bool, args, device: torch.device, voca
                 loss=float(loss))  # fmt: skip
 
 
-def run_generation(model, args, device: torch.device, vocab: int) -> dict:
+def prepare_generation(model, args, device: torch.device, vocab: int) -> Callable[[], int]:
+    """Puts ``model`` in eval mode and warms it up; returns a greedy generate of ``--gen-tokens`` (-> new tokens)."""
     set_checkpointing(model, False)
     model.eval()
     prompt = torch.randint(3, vocab, (1, args.prompt_len), device=device)
     mask = torch.ones_like(prompt)
 
-    def generate(n: int) -> torch.Tensor:
-        return model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, pad_token_id=0)  # fmt: skip
+    def generate() -> int:
+        out = model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=args.gen_tokens,
+                             min_new_tokens=args.gen_tokens, do_sample=False, pad_token_id=0)  # fmt: skip
+        return out.shape[1] - prompt.shape[1]
 
     # Warm up with the full length: every new KV length can pick (and, for cuDNN attention, build) new kernels, and a
     # short warm-up left that cost in the first provider's timed run.
-    generate(args.gen_tokens)
-    # Median of several timed runs: one generate is host-bound and a single timing moved by up to 1.4x between runs.
-    times = []
-    for _ in range(args.gen_repeats):
-        C.sync(device)
-        start = time.perf_counter()
-        out = generate(args.gen_tokens)
-        C.sync(device)
-        times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
-    new = out.shape[1] - prompt.shape[1]
-    return dict(prompt=args.prompt_len, new_tokens=new, seconds=seconds, tokens_per_s=new / seconds)
+    generate()
+    return generate
+
+
+def timed_generate(generate: Callable[[], int], device: torch.device) -> tuple[int, float]:
+    """(new tokens, seconds) of one generate, synchronized on both sides."""
+    C.sync(device)
+    start = time.perf_counter()
+    new = generate()
+    C.sync(device)
+    return new, time.perf_counter() - start
+
+
+def round_order(providers: list[str], round_index: int) -> list[str]:
+    """Round i runs the providers from i mod P on, wrapping around: every provider takes every position in turn, so
+    the slow first generate of a round or a drift within one is spread over all providers instead of hitting one."""
+    k = round_index % len(providers) if providers else 0
+    return providers[k:] + providers[:k]
+
+
+def same_round_ratios(rates: list[Optional[float]], base: list[Optional[float]]) -> list[float]:
+    """``rates[i] / base[i]`` for every round i that both ran (both lists start at round 0): the two generates ran
+    seconds apart, so the host's drift over the run cancels out of the ratio."""
+    return [r / b for r, b in zip(rates, base) if r is not None and b]
+
+
+def _spread(values: list[float]) -> tuple[Optional[float], Optional[float], Optional[float]]:
+    """(median, min, max), or Nones for no values."""
+    return (statistics.median(values), min(values), max(values)) if values else (None, None, None)
+
+
+def gen_summary(results: list[tuple[int, float]]) -> dict:
+    """Median and min/max tokens/s over the rounds of one provider; ``results`` holds (new tokens, seconds) a round."""
+    rates = [new / seconds for new, seconds in results]
+    median, low, high = _spread(rates)
+    return dict(new_tokens=results[-1][0], repeats=len(results), seconds=statistics.median(s for _, s in results),
+                tokens_per_s=median, tokens_per_s_min=low, tokens_per_s_max=high,
+                round_tokens_per_s=";".join(f"{r:.6g}" for r in rates))  # fmt: skip
+
+
+def round_rates(row: Optional[dict]) -> list[Optional[float]]:
+    """The per-round tokens/s of a generation row (a one-round run reads back from the CSV as a number)."""
+    value = None if row is None else row.get("round_tokens_per_s")
+    if value is None or value == "":
+        return []
+    return [float(v) if v else None for v in str(value).split(";")]
 
 
 def run_profile(model, provider: str, batch: int, ckpt: bool, args, device: torch.device, vocab: int,
@@ -324,6 +374,9 @@ def derive(rows: list[dict], gen_rows: list[dict], reference: bool = False) -> N
         bf16, twin = _find(gen_rows, provider="bf16-lora"), _find(gen_rows, provider=PEFT_TWIN.get(row["provider"]))
         row["ratio_to_bf16"] = _ratio(row["tokens_per_s"], bf16 and bf16["tokens_per_s"])
         row["ratio_to_peft_bnb"] = _ratio(row["tokens_per_s"], twin and twin["tokens_per_s"])
+        ratios = same_round_ratios(round_rates(row), round_rates(bf16))
+        (row["ratio_to_bf16_round_median"], row["ratio_to_bf16_round_min"],
+         row["ratio_to_bf16_round_max"]) = _spread(ratios)  # fmt: skip
 
 
 def train_targets(rows: list[dict], gen_rows: list[dict]) -> list[C.Check]:
@@ -341,9 +394,16 @@ def train_targets(rows: list[dict], gen_rows: list[dict]) -> list[C.Check]:
             checks.append(C.Check(f"peak memory: {provider} / {twin}", f"batch {batch}, ckpt {ckpt}",
                                   row and row.get("peak_vs_peft_bnb"), "<=", 1.0))
     for provider in ("fastlora-nf4", "fastlora-int8"):
-        row = _find(gen_rows, provider=provider)
-        checks.append(C.Check(f"generation tokens/s: {provider} / bf16-lora", "batch 1",
-                              row and row.get("ratio_to_bf16"), ">=", 1.0))
+        row = _find(gen_rows, provider=provider) or {}
+        # The median of the same-round ratios where there are rounds: it cancels the host drift that moved the
+        # baselines 1.4x between runs; the ratio of the medians only for CSVs of older runs.
+        value = row.get("ratio_to_bf16_round_median")
+        note = (f"same-round ratio: median of {row.get('repeats')} rounds, range "
+                f"{C.fmt(row.get('ratio_to_bf16_round_min'))}-{C.fmt(row.get('ratio_to_bf16_round_max'))}")  # fmt: skip
+        if value is None:
+            value = row.get("ratio_to_bf16")
+            note = "" if value is None else "ratio of the medians"
+        checks.append(C.Check(f"generation tokens/s: {provider} / bf16-lora", "batch 1", value, ">=", 1.0, note))
     return checks
 
 
@@ -363,9 +423,13 @@ def print_tables(rows: list[dict], gen_rows: list[dict]) -> None:
                        "ref_peak_GiB", "status"],
                       "== training step (ratios: this run only; ref_* = reference (earlier run), context only) ==")
     if gen_rows:
-        C.print_table(gen_rows, ["provider", "new_tokens", "seconds", "tokens_per_s", "ratio_to_bf16",
-                                 "ratio_to_peft_bnb", "ref_tokens_per_s", "status", "error"],
-                      "== greedy generation, batch 1 (ref_tokens_per_s = reference (earlier run), context only) ==")
+        C.print_table(gen_rows, ["provider", "new_tokens", "repeats", "tokens_per_s", "tokens_per_s_min",
+                                 "tokens_per_s_max", "ratio_to_bf16", "ratio_to_bf16_round_median",
+                                 "ratio_to_bf16_round_min", "ratio_to_bf16_round_max", "ratio_to_peft_bnb",
+                                 "ref_tokens_per_s", "status", "error"],
+                      "== greedy generation, batch 1, providers interleaved round by round (tokens_per_s: median of "
+                      "the rounds; ratio_to_bf16: of the medians; *_round_*: same-round ratios; ref_tokens_per_s = "
+                      "reference (earlier run), context only) ==")  # fmt: skip
 
 
 def plot_all(rows: list[dict], gen_rows: list[dict], out: Path, env: dict) -> None:
@@ -423,7 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 5; quick 3, tiny 2)")
     p.add_argument("--gen-tokens", type=int, default=None, help="new tokens for generation (default 128; tiny 8)")
     p.add_argument("--prompt-len", type=int, default=None, help="generation prompt length (default 32; tiny 4)")
-    p.add_argument("--gen-repeats", type=int, default=3, help="timed generate calls per provider, median (default 3)")
+    p.add_argument("--gen-repeats", type=int, default=5,
+                   help="interleaved rounds of timed generates, one per provider a round; median (default 5)")
     p.add_argument("--gen-providers", default=",".join(GEN_PROVIDERS), help="providers to time generation for")
     p.add_argument("--no-gen", action="store_true", help="skip generation")
     p.add_argument("--lora-dropout", type=float, default=0.0)
@@ -436,6 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", type=Path, help="where the random model is saved (reused if it holds one)")
     p.add_argument("--keep-model", action="store_true", help="do not delete --model-dir at the end")
     p.add_argument("--budget-s", type=float, default=None, help="soft time budget: later work is recorded as skipped")
+    p.add_argument("--gen-reserve-s", type=float, default=None,
+                   help="seconds of --budget-s kept for the generation phase: training stops that much earlier "
+                        "(default: an estimate for the full-size model on an H100/H200; 0 with --tiny or --no-gen)")
     p.add_argument("--replot", action="store_true", help="only re-read the CSVs in --out and redo tables/targets/plots")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
     return p
@@ -450,6 +518,11 @@ def _defaults(args) -> None:
     args.prompt_len = args.prompt_len or (4 if tiny else 32)
     if args.gen_repeats < 1:
         raise SystemExit(f"bench_train_step.py: error: --gen-repeats must be >= 1, got {args.gen_repeats}")
+    if args.gen_reserve_s is None:
+        # Generation runs after all training, so a run whose training fills the budget would skip every generate.
+        # Estimate: ~5 s to load and wrap a model, ~2.5 s a 128-token generate (27-85 tokens/s), warm-up included.
+        n = 0 if args.no_gen or args.tiny else len(C.parse_csv_arg(args.gen_providers) or [])
+        args.gen_reserve_s = n * (5 + 2.5 * args.gen_tokens / 128 * (args.gen_repeats + 1))
     batches = C.parse_csv_arg(args.batches)
     args.batches = [int(b) for b in batches] if batches else ([1, 2] if tiny else [1] if quick else [1, 4])
     args.ckpts = {"both": ["off", "on"], "off": ["off"], "on": ["on"]}[args.ckpt]
@@ -495,7 +568,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"providers={providers} r={RANK} all-linear dropout={args.lora_dropout} "
                   f"adapters={args.adapter_dtype} "
                   f"warmup_steps={args.warmup_steps} steps={args.steps} gen={gen_providers} "
-                  f"gen_tokens={args.gen_tokens} gen_repeats={args.gen_repeats}")  # fmt: skip
+                  f"gen_tokens={args.gen_tokens} gen_repeats={args.gen_repeats} (interleaved rounds) "
+                  f"budget_s={args.budget_s} gen_reserve_s={C.fmt(args.gen_reserve_s)}")  # fmt: skip
     C.print_header("bench_train_step: Llama-3-8B-shaped model, LoRA training + generation (ratios within THIS run)",
                    env)  # fmt: skip
     log = C.CsvLog(out / "train_step.csv", TRAIN_COLUMNS, env)
@@ -504,6 +578,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows: list[dict] = []
     gen_rows: list[dict] = []
     deadline = C.Deadline(args.budget_s)
+    # Training and profiling stop --gen-reserve-s before the end of the budget: the generation phase comes after them.
+    train_deadline = C.Deadline(None if args.budget_s is None else max(args.budget_s - args.gen_reserve_s, 0.0))
     configs = [(b, c) for b in args.batches for c in args.ckpts]
     train_providers = [p for p in providers if p in (C.parse_csv_arg(args.providers) or PROVIDERS)]
     total = len(train_providers) * len(configs) * (args.warmup_steps + args.steps)
@@ -527,22 +603,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         derive([], gen_rows + [row], reference)
         gen_rows.append(row)
         gen_log.append(row)
-        progress.write(f"  generate {row['provider']:16s} {C.fmt(row.get('tokens_per_s'), 4)} tok/s  "
-                       f"x{C.fmt(row.get('ratio_to_bf16'))} bf16  {row['status']} {row.get('error') or ''}")
+        numbers = "" if row["status"] != "ok" else (
+            f"{C.fmt(row['tokens_per_s'], 4)} tok/s (median of {row['repeats']}, {C.fmt(row['tokens_per_s_min'], 4)}-"
+            f"{C.fmt(row['tokens_per_s_max'], 4)})  x{C.fmt(row.get('ratio_to_bf16'))} bf16, same-round "
+            f"x{C.fmt(row.get('ratio_to_bf16_round_median'))}  ")  # fmt: skip
+        progress.write(f"  generate {row['provider']:16s} {numbers}{row['status']} {row.get('error') or ''}")
 
     model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="fastlora-bench-model-"))
     temporary = args.model_dir is None and not args.keep_model
     built: dict = {}  # {"model": the bf16 model just built}, handed to the bf16-lora provider
 
     def fail_provider(provider: str, base_row: dict, status: str, error: str) -> None:
-        """Records every remaining row of ``provider`` (training configs and generation) as failed or skipped."""
+        """Records every remaining training row of ``provider`` as failed or skipped."""
         done = {(r["batch"], r["ckpt"]) for r in rows if r["provider"] == provider}
         for batch, ckpt in configs if provider in train_providers else []:
             if (batch, ckpt) not in done:
                 record_train(dict(base_row, batch=batch, ckpt=ckpt, status=status, error=error))
                 progress.update(args.warmup_steps + args.steps)
-        if provider in gen_providers and not any(r["provider"] == provider for r in gen_rows):
-            record_gen(dict(base_row, status=status, error=error))
 
     def run_provider(provider: str, base_row: dict) -> None:
         quant, _ = PROVIDERS[provider]
@@ -558,7 +635,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         resident_GiB=resident)  # fmt: skip
         for batch, ckpt in configs if provider in train_providers else []:
             row = dict(base_row, batch=batch, ckpt=ckpt)
-            if deadline.expired():
+            if train_deadline.expired():
                 row.update(status="skipped", error="time budget")
                 progress.update(args.warmup_steps + args.steps)
             else:
@@ -572,7 +649,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     row.update(status="oom" if C.is_oom(err) else "error", error=C.short_error(err))
                 C.free_memory(device)
             record_train(row)
-        if provider in profile and not deadline.expired():
+        if provider in profile and not train_deadline.expired():
             try:
                 path = run_profile(model, provider, args.profile_batch, args.profile_ckpt == "on", args, device,
                                    config.vocab_size, out)  # fmt: skip
@@ -580,18 +657,84 @@ def main(argv: Optional[list[str]] = None) -> int:
             except Exception as err:
                 progress.write(f"  !! profile {provider} failed: {C.short_error(err)}")
             C.free_memory(device)
-        if provider in gen_providers:
-            row = dict(base_row)
-            if deadline.expired():
-                row.update(status="skipped", error="time budget")
-            else:
-                try:
-                    row.update(run_generation(model, args, device, config.vocab_size), status="ok")
-                except Exception as err:
-                    if args.verbose:
-                        traceback.print_exc()
-                    row.update(status="oom" if C.is_oom(err) else "error", error=C.short_error(err))
+
+    def gen_row(provider: str, **fields) -> dict:
+        quant, tuner = PROVIDERS[provider]
+        return dict(provider=provider, quant=quant or "bf16", tuner=tuner, prompt=args.prompt_len, **fields)
+
+    def load_for_generation(provider: str) -> Optional[Callable[[], int]]:
+        """Loads, wraps and warms up ``provider``; None, with its row recorded, if that failed or the budget is spent.
+
+        A provider whose load or wrap failed in training is loaded again rather than given the training error: the
+        generation phase has its own memory state (an OOM there need not repeat), and a failure that does repeat
+        costs one load and gets its own error row.
+        """
+        if setup_error or deadline.expired():
+            status, error = ("error", setup_error) if setup_error else ("skipped", "time budget")
+            record_gen(gen_row(provider, status=status, error=error))
+            return None
+        try:
+            start = time.perf_counter()
+            model = load_model(model_dir, PROVIDERS[provider][0], device)
+            note("load", provider, time.perf_counter() - start, "(from_pretrained, for the generation phase)")
+            model, _ = wrap(model, provider, args)
+            return prepare_generation(model, args, device, config.vocab_size)
+        except Exception as err:
+            if args.verbose:
+                traceback.print_exc()
+            record_gen(gen_row(provider, status="oom" if C.is_oom(err) else "error", error=C.short_error(err)))
+            return None
+
+    def record_rounds(provider: str, results: list[tuple[int, float]], failure: Optional[tuple[str, str]]) -> None:
+        """The row of one loaded provider: its rounds' summary, or why it has none."""
+        cut = "time budget" if deadline.expired() else "interrupted"
+        if failure:
+            record_gen(gen_row(provider, status=failure[0], error=failure[1]))
+        elif not results:
+            record_gen(gen_row(provider, status="skipped", error=cut))
+        else:
+            row = gen_row(provider, **gen_summary(results), status="ok")
+            if len(results) < args.gen_repeats:
+                row["error"] = f"{len(results)} of {args.gen_repeats} rounds ({cut})"
             record_gen(row)
+
+    def run_generation_phase() -> None:
+        """Every generation provider resident at once, timed in interleaved rounds (see the module docstring)."""
+        generates: dict[str, Callable[[], int]] = {}
+        results: dict[str, list[tuple[int, float]]] = {}  # provider -> (new tokens, seconds) of rounds 0, 1, ...
+        failures: dict[str, tuple[str, str]] = {}  # provider -> (status, error) of a failed timed generate
+        try:
+            for provider in gen_providers:
+                generate = load_for_generation(provider)
+                C.free_memory(device)  # what a failed load left behind
+                if generate is not None:
+                    generates[provider], results[provider] = generate, []
+            loaded = list(generates)
+            for i in range(args.gen_repeats if loaded else 0):
+                if deadline.expired():  # checked per round only: a round, once started, times every provider
+                    break
+                done = []
+                for provider in round_order(loaded, i):
+                    if provider not in generates:
+                        continue
+                    try:
+                        new, seconds = timed_generate(generates[provider], device)
+                    except Exception as err:
+                        if args.verbose:
+                            traceback.print_exc()
+                        failures[provider] = ("oom" if C.is_oom(err) else "error", C.short_error(err))
+                        del generates[provider]  # its model goes at the next free_memory
+                        done.append(f"{provider} failed")
+                        continue
+                    results[provider].append((new, seconds))
+                    done.append(f"{provider} {C.fmt(new / seconds, 4)}")
+                progress.write(f"  generate round {i + 1}/{args.gen_repeats} (tokens/s): {', '.join(done)}")
+        finally:
+            generates.clear()
+            C.free_memory(device)
+            for provider, provider_results in results.items():
+                record_rounds(provider, provider_results, failures.get(provider))
+            gen_rows.sort(key=lambda r: gen_providers.index(r["provider"]))
 
     interrupted = False
     try:
@@ -613,7 +756,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             quant, tuner = PROVIDERS[provider]
             base_row = dict(provider=provider, quant=quant or "bf16", tuner=tuner, seq=args.seq,
                             warmup_steps=args.warmup_steps, steps=args.steps)  # fmt: skip
-            if setup_error or deadline.expired():
+            if setup_error or train_deadline.expired():
                 fail_provider(provider, base_row, "error" if setup_error else "skipped", setup_error or "time budget")
                 continue
             try:
@@ -624,6 +767,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 fail_provider(provider, base_row, "oom" if C.is_oom(err) else "error", C.short_error(err))
             built.clear()
             C.free_memory(device)
+        progress.close()  # its lines would be redrawn under every generation line
+        # After all training, so that no other resident model inflated a provider's training peak memory.
+        run_generation_phase()
     except KeyboardInterrupt:
         interrupted = True
         progress.write("\n!! interrupted: writing what was measured so far")

@@ -85,9 +85,12 @@ def test_bench_layers_tiny_cpu(tmp_path):
     check_png(tmp_path / "dequant.png")
 
 
+GEN_REPEATS = 4  # not the default (5), so that the test sees the flag reach the rows; even: median of two middles
+
+
 def test_bench_train_step_tiny_cpu(tmp_path):
     args = ["benchmarks/bench_train_step.py", "--device", "cpu", "--tiny", "--out", str(tmp_path),
-            "--profile", "fastlora-nf4"]  # fmt: skip
+            "--profile", "fastlora-nf4", "--gen-repeats", str(GEN_REPEATS)]  # fmt: skip
     log = run_python(args, tmp_path)
     assert "bench_train_step done" in log, log[-3000:]
 
@@ -106,17 +109,98 @@ def test_bench_train_step_tiny_cpu(tmp_path):
     assert not any(r["ref_tokens_per_s"] for r in rows), "reference numbers belong next to the full-size run only"
 
     _, gen_columns, gen_rows = read(tmp_path / "generation.csv")
-    assert {"provider", "new_tokens", "tokens_per_s", "ratio_to_bf16"} <= set(gen_columns)
-    assert {r["provider"] for r in gen_rows} == {"bf16-lora", "peft-bnb-nf4", "fastlora-nf4", "peft-bnb-int8",
-                                                 "fastlora-int8"}  # fmt: skip
+    assert {"provider", "new_tokens", "tokens_per_s", "ratio_to_bf16", "repeats", "tokens_per_s_min",
+            "tokens_per_s_max", "ratio_to_bf16_round_median", "ratio_to_bf16_round_min", "ratio_to_bf16_round_max",
+            "round_tokens_per_s"} <= set(gen_columns)  # fmt: skip
+    assert [r["provider"] for r in gen_rows] == ["bf16-lora", "peft-bnb-nf4", "fastlora-nf4", "peft-bnb-int8",
+                                                 "fastlora-int8"]  # fmt: skip
     assert all(r["status"] == "ok" and r["new_tokens"] == "8" for r in gen_rows)
+    for r in gen_rows:
+        assert int(r["repeats"]) == GEN_REPEATS and len(r["round_tokens_per_s"].split(";")) == GEN_REPEATS, r
+        low, median, high = (float(r[c]) for c in ("tokens_per_s_min", "tokens_per_s", "tokens_per_s_max"))
+        assert 0 < low <= median <= high, r
+        low, median, high = (float(r[f"ratio_to_bf16_round_{c}"]) for c in ("min", "median", "max"))
+        assert 0 < low <= median <= high, r
+    bf16 = gen_rows[0]
+    assert float(bf16["ratio_to_bf16_round_min"]) == float(bf16["ratio_to_bf16_round_max"]) == 1.0
+    # One interleaved phase after all training: every provider's rounds are logged, each round in a rotated order.
+    rounds = [line for line in log.splitlines() if "generate round" in line]
+    assert len(rounds) == GEN_REPEATS and rounds[1].split(": ", 1)[1].startswith("peft-bnb-nf4"), rounds
 
     _, _, targets = read(tmp_path / "train_targets.csv")
     assert targets and {t["result"] for t in targets} <= {"PASS", "MISS", "N/A"}
+    gen_targets = [t for t in targets if t["target"].startswith("generation")]
+    assert len(gen_targets) == 2 and all("same-round" in t["note"] for t in gen_targets), gen_targets
+    by_provider = {r["provider"]: r for r in gen_rows}
+    for t in gen_targets:  # the target reads the median of the same-round ratios, not the ratio of the medians
+        provider = t["target"].split(": ")[1].split(" /")[0]
+        assert float(t["value"]) == pytest.approx(float(by_provider[provider]["ratio_to_bf16_round_median"]))
     check_png(tmp_path / "train_step.png")
     assert (tmp_path / "setup.csv").exists()
     profile = next(tmp_path.glob("profile_fastlora-nf4_*.txt")).read_text()
     assert "aten::" in profile  # on the CPU: the operator table (no CUDA kernels)
+
+    # --replot derives the same-round ratios again from round_tokens_per_s alone.
+    (tmp_path / "train_step.png").unlink()
+    replot = run_python(["benchmarks/bench_train_step.py", "--replot", "--out", str(tmp_path)], tmp_path)
+    check_png(tmp_path / "train_step.png")
+    assert "ratio_to_bf16_round_median" in replot
+    _, _, replotted = read(tmp_path / "train_targets.csv")
+    values = [float(t["value"] or "nan") for t in targets]  # the CSV keeps 6 digits: ratios move in the last one
+    assert [float(t["value"] or "nan") for t in replotted] == pytest.approx(values, rel=1e-4, nan_ok=True)
+
+
+def _bench_train_step():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import bench_train_step
+
+    return bench_train_step
+
+
+def test_generation_round_order_rotates():
+    """Round i starts at provider i mod P: over P rounds every provider takes every position once."""
+    B = _bench_train_step()
+    providers = ["a", "b", "c"]
+    assert B.round_order(providers, 0) == ["a", "b", "c"]
+    assert B.round_order(providers, 1) == ["b", "c", "a"]
+    assert B.round_order(providers, 2) == ["c", "a", "b"]
+    assert B.round_order(providers, 3) == ["a", "b", "c"]
+    for position in range(3):
+        assert sorted(B.round_order(providers, i)[position] for i in range(3)) == providers
+    assert B.round_order(["a"], 5) == ["a"] and B.round_order([], 2) == []
+    assert providers == ["a", "b", "c"], "round_order must not reorder its argument"
+
+
+def test_generation_same_round_ratios():
+    """Ratios pair the rounds one by one (host drift cancels), skipping rounds that either side lacks."""
+    B = _bench_train_step()
+    base = [100.0, 50.0, 200.0]  # the host drifts 4x between rounds ...
+    assert B.same_round_ratios([110.0, 55.0, 220.0], base) == pytest.approx([1.1, 1.1, 1.1])  # ... the ratio does not
+    assert B.same_round_ratios([110.0, 55.0], base) == pytest.approx([1.1, 1.1])  # an interrupted provider
+    assert B.same_round_ratios([110.0, None, 220.0], base) == pytest.approx([1.1, 1.1])
+    assert B.same_round_ratios([1.0], []) == [] and B.same_round_ratios([1.0], [0.0]) == []
+
+    summary = B.gen_summary([(8, 0.1), (8, 0.4), (8, 0.2)])  # (new tokens, seconds) per round
+    assert summary["repeats"] == 3 and summary["new_tokens"] == 8
+    assert (summary["tokens_per_s_min"], summary["tokens_per_s"], summary["tokens_per_s_max"]) == (20.0, 40.0, 80.0)
+    assert B.round_rates(summary) == [80.0, 20.0, 40.0]
+    assert B.round_rates({"round_tokens_per_s": 40.0}) == [40.0]  # one round reads back from the CSV as a number
+    assert B.round_rates(None) == [] and B.round_rates({"round_tokens_per_s": None}) == []
+
+    # derive: ratio_to_bf16 from the medians, ratio_to_bf16_round_* round by round; the target takes the latter.
+    def row(provider, *rates):
+        return dict(provider=provider, status="ok", **B.gen_summary([(8, 8 / r) for r in rates]))
+
+    bf16, fast = row("bf16-lora", 80.0, 40.0, 20.0), row("fastlora-nf4", 40.0, 44.0, 30.0)
+    B.derive([], [bf16, fast])
+    assert fast["ratio_to_bf16"] == pytest.approx(1.0)  # medians 40 / 40
+    assert fast["ratio_to_bf16_round_min"] == pytest.approx(0.5)  # rounds: 40/80, 44/40, 30/20
+    assert fast["ratio_to_bf16_round_median"] == pytest.approx(1.1)
+    assert fast["ratio_to_bf16_round_max"] == pytest.approx(1.5)
+    checks = {c.target: c for c in B.train_targets([], [bf16, fast])}
+    check = checks["generation tokens/s: fastlora-nf4 / bf16-lora"]
+    assert check.value == pytest.approx(1.1) and "same-round" in check.note and check.result == "PASS"
 
 
 FAILING_PROVIDERS = textwrap.dedent(
@@ -137,7 +221,30 @@ FAILING_PROVIDERS = textwrap.dedent(
     bench_train_step.wrap = lambda m, p, a: broken() if p == "peft-bnb-nf4" else real_wrap(m, p, a)
     bench_train_step.main(["--device", "cpu", "--tiny", "--out", sys.argv[1] + "/train", "--batches", "1",
                            "--ckpt", "off", "--providers", "bf16-lora,peft-bnb-nf4,fastlora-nf4",
-                           "--gen-providers", "peft-bnb-nf4"])
+                           "--gen-providers", "bf16-lora,peft-bnb-nf4", "--gen-repeats", "2"])
+
+    # A generate that fails mid-way (fastlora-nf4's second timed one): its row is an error, the other rounds go on.
+    real_prepare = bench_train_step.prepare_generation
+
+    def prepare(model, args, *rest):
+        generate = real_prepare(model, args, *rest)  # the warm-up generate runs in there, unbroken
+        calls = []
+
+        def flaky():
+            calls.append(1)
+            return broken() if len(calls) == 2 else generate()
+
+        return flaky if type(model.peft_config["default"]).__name__ == "FastLoraConfig" else generate
+
+    bench_train_step.prepare_generation = prepare
+    bench_train_step.main(["--device", "cpu", "--tiny", "--out", sys.argv[1] + "/gen", "--providers", "bf16-lora",
+                           "--batches", "1", "--ckpt", "off", "--gen-providers", "bf16-lora,fastlora-nf4",
+                           "--gen-repeats", "3"])
+
+    # A spent budget: every training and generation row is skipped, and the run still writes its outputs.
+    bench_train_step.main(["--device", "cpu", "--tiny", "--out", sys.argv[1] + "/budget", "--batches", "1",
+                           "--ckpt", "off", "--providers", "bf16-lora", "--gen-providers", "bf16-lora,fastlora-nf4",
+                           "--budget-s", "0"])
     """
 )
 
@@ -158,8 +265,21 @@ def test_failing_provider_becomes_error_row(tmp_path):
     assert status["peft-bnb-nf4"][0] == "error" and "injected failure" in status["peft-bnb-nf4"][1]
     assert status["bf16-lora"][0] == "ok" and status["fastlora-nf4"][0] == "ok"
     _, _, gen_rows = read(tmp_path / "train" / "generation.csv")
-    assert [r["status"] for r in gen_rows] == ["error"]
+    # The generation phase loads peft-bnb-nf4 again (its wrap fails again); bf16-lora still runs its rounds.
+    assert [(r["provider"], r["status"], r["repeats"]) for r in gen_rows] == [("bf16-lora", "ok", "2"),
+                                                                              ("peft-bnb-nf4", "error", "")]
+    assert "injected failure" in gen_rows[1]["error"]
     check_png(tmp_path / "train" / "train_step.png")
+
+    _, _, gen_rows = read(tmp_path / "gen" / "generation.csv")
+    status = {r["provider"]: r for r in gen_rows}
+    assert status["fastlora-nf4"]["status"] == "error" and "injected failure" in status["fastlora-nf4"]["error"]
+    assert status["bf16-lora"]["status"] == "ok" and status["bf16-lora"]["repeats"] == "3"
+
+    _, _, rows = read(tmp_path / "budget" / "train_step.csv")
+    _, _, gen_rows = read(tmp_path / "budget" / "generation.csv")
+    assert {(r["status"], r["error"]) for r in rows + gen_rows} == {("skipped", "time budget")}
+    assert [r["provider"] for r in gen_rows] == ["bf16-lora", "fastlora-nf4"]
 
 
 def test_gpu_only_scripts_explain_themselves_on_cpu(tmp_path):
