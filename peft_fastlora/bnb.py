@@ -12,7 +12,7 @@ from torch import nn
 
 from .bnb_weights import int8_from_bnb, packed4bit_from_bnb
 from .distributed import restore_quant_state
-from .layer import WEIGHT_CACHE, FastLoraLayer
+from .layer import WEIGHT_CACHE, FastLoraLayer, param
 from .ops.quant_state import Int8Rowwise, Packed4bit
 
 
@@ -35,19 +35,24 @@ class FastLoraLinear4bit(FastLoraLayer):
 
     def quantized_weight(self) -> Packed4bit:
         base = self._base()
-        restore_quant_state(base)  # FSDP swaps in a plain all-gathered tensor without bitsandbytes' quant_state
-        _restore_standard_packing(base)
-        weight = base.weight
-        data, state = weight.data, weight.quant_state  # `.data` of a Params4bit costs a __torch_function__: once
+        weight = param(base, "weight")
+        state = getattr(weight, "quant_state", None)
+        if state is None or getattr(state, "packing_format_for_cpu", False):
+            restore_quant_state(base)  # FSDP swaps in a plain all-gathered tensor without bitsandbytes' quant_state
+            _restore_standard_packing(base)
+            weight = param(base, "weight")
+            state = weight.quant_state
         if torch.compiler.is_compiling():  # data_ptr() is opaque to dynamo; compiled graphs don't need the cache
-            return packed4bit_from_bnb(data, state)
+            return packed4bit_from_bnb(weight.data, state)
         # Reuse the container while the weight is the same storage with the same quant_state: the kernels cache
         # their validated launch arguments on it, which keeps per-call host time down. A merge, a device move or a
-        # new quant_state changes the key.
-        key = (data.data_ptr(), data.device, id(state), id(state.absmax))
+        # new quant_state changes the key. (Read with Params4bit's __torch_function__ off: it costs a microsecond a
+        # tensor attribute, on every layer call.)
+        with torch._C.DisableTorchFunctionSubclass():
+            key = (weight.data_ptr(), weight.device, id(state), id(state.absmax))
         cached = self.__dict__.get(WEIGHT_CACHE)
         if cached is None or cached[0] != key:
-            cached = (key, packed4bit_from_bnb(data, state))
+            cached = (key, packed4bit_from_bnb(weight.data, state))
             self.__dict__[WEIGHT_CACHE] = cached
         return cached[1]
 
@@ -71,11 +76,12 @@ class FastLoraLinear8bit(FastLoraLayer):
     """FastLoRA over ``bnb.nn.Linear8bitLt`` (weight-only int8: ``W = CB * SCB / 127``, no activation quantization)."""
 
     def quantized_weight(self) -> Int8Rowwise:
-        weight = self._base().weight
+        weight = param(self._base(), "weight")
         if torch.compiler.is_compiling():
             return int8_from_bnb(weight)
         scb = getattr(weight, "SCB", None)
-        key = (weight.data.data_ptr(), weight.data.device, None if scb is None else scb.data_ptr())
+        with torch._C.DisableTorchFunctionSubclass():  # as for 4-bit: no __torch_function__ per attribute read
+            key = (weight.data_ptr(), weight.device, None if scb is None else scb.data_ptr())
         cached = self.__dict__.get(WEIGHT_CACHE)
         if cached is None or cached[0] != key:
             cached = (key, int8_from_bnb(weight))

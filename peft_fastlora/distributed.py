@@ -439,9 +439,13 @@ def fsdp_wraps_adapters(layer: nn.Module, adapters: list[str]) -> bool:
     instead of handing their weights to the fused op (which would see the flat shard).
     """
     wrappers = _fsdp_wrapper_types()
-    return bool(wrappers) and any(
-        isinstance(container[a], wrappers) for a in adapters for container in (layer.lora_A, layer.lora_B)
-    )
+    if not wrappers:
+        return False
+    lora_a, lora_b = layer._modules["lora_A"]._modules, layer._modules["lora_B"]._modules  # every forward: no getattr
+    for adapter in adapters:
+        if isinstance(lora_a[adapter], wrappers) or isinstance(lora_b[adapter], wrappers):
+            return True
+    return False
 
 
 @functools.cache

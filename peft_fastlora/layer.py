@@ -35,6 +35,13 @@ RECAST_WARNING = (
 WEIGHT_CACHE = "_fastlora_weight_cache"
 
 
+def param(module: nn.Module, name: str) -> Optional[torch.Tensor]:
+    """``module.<name>`` for a parameter without ``nn.Module.__getattr__`` (a layer call reads several, on every layer
+    of every step). FSDP1 may replace a parameter by a plain tensor attribute: then the normal lookup finds it."""
+    params = module._parameters
+    return params[name] if name in params else getattr(module, name)
+
+
 class FastLoraLayer(nn.Module, LoraLayer):
     """A LoRA layer whose base is a quantized linear layer; subclasses define the quantization backend.
 
@@ -101,7 +108,7 @@ class FastLoraLayer(nn.Module, LoraLayer):
         return (b @ a) * self.scaling[adapter]
 
     def _lora_input(self, x: torch.Tensor, adapter: str) -> Optional[torch.Tensor]:
-        dropout = self.lora_dropout[adapter]
+        dropout = self._modules["lora_dropout"]._modules[adapter]
         return None if isinstance(dropout, nn.Identity) else dropout(x)
 
     def _lora_delta(self, x: torch.Tensor, adapter: str, out_dtype: torch.dtype) -> torch.Tensor:
@@ -115,11 +122,14 @@ class FastLoraLayer(nn.Module, LoraLayer):
         """Undoes an outside cast of the adapters (e.g. TRL's bf16 cast) before it reaches GradScaler."""
         if fsdp_owns_adapter_dtypes(self):  # FSDP2 mixed precision: its param_dtype copies, the shards keep the policy
             return
+        lora_a, lora_b = self._modules["lora_A"]._modules, self._modules["lora_B"]._modules
         for adapter in adapters:
             policy = self.adapter_dtypes.get(adapter)
-            for module in (self.lora_A[adapter], self.lora_B[adapter]):
-                found = module.weight.dtype
-                if policy is not None and found != policy:
+            if policy is None:
+                continue
+            for module in (lora_a[adapter], lora_b[adapter]):
+                found = param(module, "weight").dtype
+                if found != policy:
                     if not self._recast_warned:  # once per layer; Python's filter folds the layers into one
                         warnings.warn(RECAST_WARNING.format(adapter=adapter, found=found, policy=policy), stacklevel=3)
                         self._recast_warned = True
@@ -149,7 +159,7 @@ class FastLoraLayer(nn.Module, LoraLayer):
             x = clamp_fp16(x, self.overflow_count)
 
         weight = self.quantized_weight()
-        bias = self._base().bias
+        bias = param(self._base(), "bias")
         if self._disable_adapters or merged:
             adapters = []
         elif adapter_names is not None:
@@ -174,8 +184,8 @@ class FastLoraLayer(nn.Module, LoraLayer):
                 x,
                 weight,
                 bias,
-                self.lora_A[first].weight,
-                self.lora_B[first].weight,
+                param(self._modules["lora_A"]._modules[first], "weight"),
+                param(self._modules["lora_B"]._modules[first], "weight"),
                 self.scaling[first],
                 lora_x=self._lora_input(x, first),
             )

@@ -16,6 +16,7 @@ Under ``torch.compile`` the Triton paths go through the ``torch.ops.peft_fastlor
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -47,6 +48,7 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or _force_triton()
 
 
+@functools.cache
 def _fused():
     """The fused small-M module, imported on first use (it imports Triton: only the Triton paths need it)."""
     from . import fused_small_m

@@ -480,10 +480,8 @@ def _fused_small_m_kernel(
     lora_a_ptr,  # (R, K)
     lora_b_ptr,  # (N, R)
     out_ptr,  # (M, N) in x.dtype
-    partial_ptr,  # (SPLIT_K, M, N) fp32 workspace (SPLIT_K > 1)
-    arrivals_ptr,  # (tiles,) int32 zeros (SPLIT_K > 1)
-    xa_part_ptr,  # (m tiles, XA_MAX_CHUNKS, BLOCK_R * BLOCK_M) fp32 workspace (HAS_LORA)
-    xa_count_ptr,  # (m tiles, XA_COPIES, XA_COPY_STRIDE) int32 zeros (HAS_LORA)
+    partial_ptr,  # fp32 workspace: split-K partials (SPLIT_K, M, N), then at xa_part_offset the xa chunk partials
+    arrivals_ptr,  # int32 zeros: split-K arrivals (tiles,), then at xa_count_offset the xa chunk counters
     M,
     N,
     K,
@@ -496,6 +494,8 @@ def _fused_small_m_kernel(
     stride_bn,
     stride_om,
     k_per_split,  # multiple of BLOCK_K
+    xa_part_offset,  # (m tiles, XA_MAX_CHUNKS, BLOCK_R * BLOCK_M) fp32 in the workspace (HAS_LORA)
+    xa_count_offset,  # (m tiles, XA_COPIES, XA_COPY_STRIDE) int32 in the counters (HAS_LORA)
     n_chunks,  # K chunks of xa, each made by one program: n_chunks <= programs per M tile
     xa_chunk,  # multiple of XA_BLOCK_K
     WEIGHT_KIND: tl.constexpr,
@@ -530,6 +530,8 @@ def _fused_small_m_kernel(
     x_ty = x_ptr.dtype.element_ty
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    xa_part_ptr = partial_ptr + xa_part_offset
+    xa_count_ptr = arrivals_ptr + xa_count_offset
 
     if HAS_LORA:
         # Programs are dispatched in order of their linear id (pid_n fastest): the first n_chunks of each M tile make
@@ -812,6 +814,53 @@ def _xa_chunking(k: int, programs_per_m_tile: int) -> tuple[int, int, int]:
     return xa_block_k, chunk, cdiv(k, chunk)
 
 
+@dataclass(frozen=True)
+class _LaunchPlan:
+    """Everything of a launch that depends on sizes and tiling only (memoized: decode calls it every layer call)."""
+
+    grid: tuple[int, int, int]
+    k_per_split: int
+    split_k: int
+    block_m: int
+    block_r: int
+    xa_block_k: int
+    xa_chunk: int
+    n_chunks: int
+    workspace_size: int  # fp32: split-K partials, then xa chunk partials at xa_part_offset
+    xa_part_offset: int
+    counters_size: int  # int32 zeros: split-K arrivals, then xa counters at xa_count_offset
+    xa_count_offset: int
+
+
+@functools.lru_cache(maxsize=4096)
+def _launch_plan(m: int, n: int, k: int, config: SmallMConfig, r: Optional[int]) -> _LaunchPlan:
+    """``r``: the LoRA rank, or None for no LoRA term."""
+    block_m = 16 if config.use_dot else 1
+    block_n, block_k = config.block_n, config.block_k
+    k_per_split = cdiv(cdiv(k, block_k), config.split_k) * block_k
+    split_k = cdiv(k, k_per_split)  # no empty splits
+    grid = (cdiv(n, block_n), split_k, cdiv(m, block_m))
+    block_r = max(16, next_power_of_2(r or 0))
+    xa_block_k, xa_chunk, n_chunks = _xa_chunking(k, grid[0] * grid[1]) if r is not None else (16, k, 0)
+    n_partials = split_k * m * n if split_k > 1 else 0
+    n_arrivals = grid[0] * grid[2] if split_k > 1 else 0
+    has_lora = r is not None
+    return _LaunchPlan(
+        grid=grid,
+        k_per_split=k_per_split,
+        split_k=split_k,
+        block_m=block_m,
+        block_r=block_r,
+        xa_block_k=xa_block_k,
+        xa_chunk=xa_chunk,
+        n_chunks=n_chunks,
+        workspace_size=n_partials + (grid[2] * XA_MAX_CHUNKS * block_r * block_m if has_lora else 0),
+        xa_part_offset=n_partials,
+        counters_size=n_arrivals + (grid[2] * XA_COPIES * XA_COPY_STRIDE if has_lora else 0),
+        xa_count_offset=n_arrivals,
+    )
+
+
 def _launch(
     x2d: torch.Tensor,
     weight: QuantizedWeight,
@@ -833,25 +882,13 @@ def _launch(
     out = torch.empty((m, n), dtype=x2d.dtype, device=device)
     if m == 0:
         return out
-    block_m = 16 if config.use_dot else 1
-    block_n, block_k = config.block_n, config.block_k
-    k_per_split = cdiv(cdiv(k, block_k), config.split_k) * block_k
-    split_k = cdiv(k, k_per_split)  # no empty splits
-    grid = (cdiv(n, block_n), split_k, cdiv(m, block_m))
     has_lora = lora_a is not None
     r = lora_a.shape[0] if has_lora else 0
-    block_r = max(16, next_power_of_2(r))
-    xa_block_k, xa_chunk, n_chunks = _xa_chunking(k, grid[0] * grid[1]) if has_lora else (16, k, 0)
-    # One zeroed int32 buffer (one memset) holds the split-K arrival counters and the xa chunk flags.
-    n_arrivals = grid[0] * grid[2] if split_k > 1 else 0
-    n_counts = grid[2] * XA_COPIES * XA_COPY_STRIDE if has_lora else 0
-    counters = torch.zeros(n_arrivals + n_counts, dtype=torch.int32, device=device) if n_arrivals + n_counts else out
-    arrivals = counters[:n_arrivals] if n_arrivals else out
-    xa_count = (counters[n_arrivals:] if n_arrivals else counters) if n_counts else out
-    partial = torch.empty((split_k, m, n), dtype=torch.float32, device=device) if split_k > 1 else out
-    xa_part_size = grid[2] * XA_MAX_CHUNKS * block_r * block_m
-    xa_part = torch.empty(xa_part_size, dtype=torch.float32, device=device) if has_lora else out
-    w_args, w_meta = _weight_args(weight, block_k)
+    plan = _launch_plan(m, n, k, config, r if has_lora else None)
+    # Two allocations whatever the path: one zeroed (one memset) for the counters, one for the fp32 workspaces.
+    counters = torch.zeros(plan.counters_size, dtype=torch.int32, device=device) if plan.counters_size else out
+    workspace = torch.empty(plan.workspace_size, dtype=torch.float32, device=device) if plan.workspace_size else out
+    w_args, w_meta = _weight_args(weight, config.block_k)
     interpret = _is_interpreted(_fused_small_m_kernel)
     _require_launchable(device)
     args = (
@@ -862,10 +899,8 @@ def _launch(
         lora_a if has_lora else out,
         lora_b if has_lora else out,
         out,
-        partial,
-        arrivals,
-        xa_part,
-        xa_count,
+        workspace,
+        counters,
         m,
         n,
         k,
@@ -877,33 +912,34 @@ def _launch(
         lora_a.stride(0) if has_lora else 0,
         lora_b.stride(0) if has_lora else 0,
         out.stride(0),
-        k_per_split,
-        n_chunks,
-        xa_chunk,
+        plan.k_per_split,
+        plan.xa_part_offset,
+        plan.xa_count_offset,
+        plan.n_chunks,
+        plan.xa_chunk,
         *w_meta,  # WEIGHT_KIND, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB
         bias is not None,  # HAS_BIAS
         has_lora,  # HAS_LORA
         config.use_dot,  # USE_DOT
         interpret or x2d.dtype == torch.float32,  # DOT_FP32
         interpret or (has_lora and lora_a.dtype == torch.float32),  # LORA_DOT_FP32
-        block_m,
-        block_n,
-        block_k,
-        block_r,
-        split_k,
-        xa_block_k,
+        plan.block_m,
+        config.block_n,
+        config.block_k,
+        plan.block_r,
+        plan.split_k,
+        plan.xa_block_k,
         XA_MAX_CHUNKS,
         XA_COPIES,
         XA_COPY_STRIDE,
-        0 if interpret else XA_POLLS,  # the interpreter runs programs one by one: a flag not up now never will be
+        0 if interpret else XA_POLLS,  # the interpreter runs programs one by one: an incomplete count stays so
         interpret,
         config.factor_scales and not config.use_dot and w_meta[0] == _KIND_4BIT_ALIGNED,  # FACTOR_SCALES
         not interpret,  # MUL_RN
     )
     # fp fusion stays on (FMAs in the dot products): the only sums that must not fuse, in the nested-absmax decode,
     # use mul.rn (MUL_RN). The interpreter computes exactly as written.
-    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
-    launch(_fused_small_m_kernel, grid, args, x2d.device, **options)
+    launch(_fused_small_m_kernel, plan.grid, args, device, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 
