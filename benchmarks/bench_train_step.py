@@ -166,7 +166,9 @@ def wrap(model, provider: str, args):
             for param in model.parameters():
                 if param.requires_grad:
                     param.data = param.data.to(torch.bfloat16)
-    n_fast = sum(type(m).__name__.startswith("FastLora") for m in model.modules())
+    from peft_fastlora.layer import FastLoraLayer
+
+    n_fast = sum(isinstance(m, FastLoraLayer) for m in model.modules())  # the layers, not the FastLoraModel tuner
     if tuner == "fastlora" and n_fast == 0:
         raise RuntimeError("FastLoraConfig created no FastLoRA layer: the bitsandbytes layers were not dispatched")
     return model, n_fast

@@ -216,9 +216,9 @@ XA_CASES = [
 @pytest.mark.parametrize("dtype,atol,rtol", [TOLERANCES[0], TOLERANCES[1]], ids=str)
 @pytest.mark.parametrize("kind,m,config", XA_CASES, ids=str)
 def test_lora_down_projection_in_chunks(kind, m, config, dtype, atol, rtol, k):
-    """xa = x_lora @ A.T is made in K chunks by the first programs; epilogues that find a chunk's flag down make it
-    themselves (the interpreter runs programs one by one, so both happen in one launch). Either way: right and the
-    same bits on every call."""
+    """xa = x_lora @ A.T is made in K chunks by the first programs; an epilogue that finds the chunk count incomplete
+    makes them itself (the interpreter runs programs one by one, so both happen in one launch). Either way: right and
+    the same bits on every call."""
     from peft_fastlora.ops.fused_small_m import _xa_chunking
 
     if kind.startswith("fp4") and k % 64:
