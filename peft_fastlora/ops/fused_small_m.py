@@ -885,7 +885,7 @@ def _launch(
     has_lora = lora_a is not None
     r = lora_a.shape[0] if has_lora else 0
     plan = _launch_plan(m, n, k, config, r if has_lora else None)
-    # Two allocations whatever the path: one zeroed (one memset) for the counters, one for the fp32 workspaces.
+    # At most two allocations besides the output: the zeroed counters (one memset) and the fp32 workspaces.
     counters = torch.zeros(plan.counters_size, dtype=torch.int32, device=device) if plan.counters_size else out
     workspace = torch.empty(plan.workspace_size, dtype=torch.float32, device=device) if plan.workspace_size else out
     w_args, w_meta = _weight_args(weight, config.block_k)
