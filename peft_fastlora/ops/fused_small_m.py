@@ -833,16 +833,16 @@ class _LaunchPlan:
 @functools.lru_cache(maxsize=4096)
 def _launch_plan(m: int, n: int, k: int, config: SmallMConfig, r: Optional[int]) -> _LaunchPlan:
     """``r``: the LoRA rank, or None for no LoRA term."""
+    has_lora = r is not None
     block_m = 16 if config.use_dot else 1
     block_n, block_k = config.block_n, config.block_k
     k_per_split = cdiv(cdiv(k, block_k), config.split_k) * block_k
     split_k = cdiv(k, k_per_split)  # no empty splits
     grid = (cdiv(n, block_n), split_k, cdiv(m, block_m))
     block_r = max(16, next_power_of_2(r or 0))
-    xa_block_k, xa_chunk, n_chunks = _xa_chunking(k, grid[0] * grid[1]) if r is not None else (16, k, 0)
+    xa_block_k, xa_chunk, n_chunks = _xa_chunking(k, grid[0] * grid[1]) if has_lora else (16, k, 0)
     n_partials = split_k * m * n if split_k > 1 else 0
     n_arrivals = grid[0] * grid[2] if split_k > 1 else 0
-    has_lora = r is not None
     return _LaunchPlan(
         grid=grid,
         k_per_split=k_per_split,
