@@ -148,6 +148,12 @@ def load_model(path: Path, quant: Optional[str], device: torch.device):
     return AutoModelForCausalLM.from_pretrained(path, **kwargs)
 
 
+def provider_fields(provider: str) -> dict:
+    """The columns that name a provider in every CSV row: provider, quant ("bf16" for the unquantized model), tuner."""
+    quant, tuner = PROVIDERS[provider]
+    return dict(provider=provider, quant=quant or "bf16", tuner=tuner)
+
+
 def wrap(model, provider: str, args):
     """``get_peft_model`` with LoRA (``peft-*``, ``bf16-lora``) or FastLoRA; returns it and its FastLoRA layer count."""
     from peft import LoraConfig, get_peft_model
@@ -661,8 +667,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             C.free_memory(device)
 
     def gen_row(provider: str, **fields) -> dict:
-        quant, tuner = PROVIDERS[provider]
-        return dict(provider=provider, quant=quant or "bf16", tuner=tuner, prompt=args.prompt_len, **fields)
+        return dict(provider_fields(provider), prompt=args.prompt_len, **fields)
 
     def load_for_generation(provider: str) -> Optional[Callable[[], int]]:
         """Loads, wraps and warms up ``provider``; None, with its row recorded, if that failed or the budget is spent.
@@ -755,9 +760,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 built.clear()
                 C.free_memory(device)
         for provider in providers:
-            quant, tuner = PROVIDERS[provider]
-            base_row = dict(provider=provider, quant=quant or "bf16", tuner=tuner, seq=args.seq,
-                            warmup_steps=args.warmup_steps, steps=args.steps)  # fmt: skip
+            base_row = dict(provider_fields(provider), seq=args.seq, warmup_steps=args.warmup_steps,
+                            steps=args.steps)  # fmt: skip
             if setup_error or train_deadline.expired():
                 fail_provider(provider, base_row, "error" if setup_error else "skipped", setup_error or "time budget")
                 continue
