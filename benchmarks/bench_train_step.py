@@ -32,8 +32,11 @@ CI:    python benchmarks/bench_train_step.py --device cpu --tiny --out /tmp/x
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -70,8 +73,23 @@ PROVIDERS = {
     "fastlora-int8": ("int8", "fastlora"),
     "peft-bnb-nf4-dq": ("nf4-dq", "peft"),
     "fastlora-nf4-dq": ("nf4-dq", "fastlora"),
+    # The whole-step fast path (peft_fastlora.enable_fast_path) and its two halves, on FastLoRA nf4.
+    "fastpath-nf4": ("nf4", "fastpath"),
+    "fastlora-liger-nf4": ("nf4", "fastpath-liger-only"),
+    "fastlora-compiled-nf4": ("nf4", "fastpath-compile-only"),
+    # Unsloth's own QLoRA step (benchmarks/unsloth_step.py), always in its own process; its checkpointing row uses
+    # Unsloth's offloading mode ("unsloth").
+    "unsloth-nf4": ("nf4", "unsloth"),
 }
-PEFT_TWIN = {"fastlora-nf4": "peft-bnb-nf4", "fastlora-nf4-dq": "peft-bnb-nf4-dq", "fastlora-int8": "peft-bnb-int8"}
+# enable_fast_path options per fast-path tuner; activation offload applies only to the checkpointed rows.
+FAST_PATH_OPTIONS = {
+    "fastpath": dict(liger="auto", compile_blocks=True, offload_activations=True),
+    "fastpath-liger-only": dict(liger=True, compile_blocks=False, offload_activations=False),
+    "fastpath-compile-only": dict(liger=False, compile_blocks=True, offload_activations=False),
+}
+PEFT_TWIN = {"fastlora-nf4": "peft-bnb-nf4", "fastlora-nf4-dq": "peft-bnb-nf4-dq", "fastlora-int8": "peft-bnb-int8",
+             "fastpath-nf4": "peft-bnb-nf4", "fastlora-liger-nf4": "peft-bnb-nf4",
+             "fastlora-compiled-nf4": "peft-bnb-nf4", "unsloth-nf4": "peft-bnb-nf4"}  # fmt: skip
 COLORS = {p: f"C{i}" for i, p in enumerate(PROVIDERS)}
 GEN_PROVIDERS = ["bf16-lora", "peft-bnb-nf4", "fastlora-nf4", "peft-bnb-int8", "fastlora-int8"]
 
@@ -92,15 +110,17 @@ REFERENCE_GEN = {"bf16-lora": 85.0, "peft-bnb-nf4": 64.7, "peft-bnb-int8": 28.1}
 
 TRAIN_COLUMNS = [
     "provider", "quant", "tuner", "batch", "seq", "ckpt", "adapter_dtype", "fastlora_layers", "warmup_steps", "steps",
-    "median_step_ms", "tokens_per_s", "ratio_to_bf16", "ratio_to_peft_bnb", "peak_GiB", "peak_vs_peft_bnb",
-    "resident_GiB", "loss", "ref_tokens_per_s", "ref_peak_GiB", "load_s", "status", "error",
+    "median_step_ms", "tokens_per_s", "ratio_to_bf16", "ratio_to_peft_bnb", "ratio_to_unsloth", "peak_GiB",
+    "peak_vs_peft_bnb", "peak_vs_unsloth", "resident_GiB", "loss", "ref_tokens_per_s", "ref_peak_GiB", "load_s",
+    "status", "error",
 ]  # fmt: skip
 # tokens_per_s (and seconds) are medians over the rounds; round_tokens_per_s lists every round's, ";"-separated, so
 # that the same-round ratios (ratio_to_bf16_round_*) can be derived again from the CSV (--replot).
 GEN_COLUMNS = [
     "provider", "quant", "tuner", "prompt", "new_tokens", "repeats", "seconds", "tokens_per_s", "tokens_per_s_min",
     "tokens_per_s_max", "ratio_to_bf16", "ratio_to_bf16_round_median", "ratio_to_bf16_round_min",
-    "ratio_to_bf16_round_max", "ratio_to_peft_bnb", "ref_tokens_per_s", "round_tokens_per_s", "status", "error",
+    "ratio_to_bf16_round_max", "ratio_to_peft_bnb", "ratio_to_unsloth", "ref_tokens_per_s", "round_tokens_per_s",
+    "status", "error",
 ]  # fmt: skip
 SETUP_COLUMNS = ["step", "provider", "seconds", "note"]
 
@@ -163,9 +183,12 @@ def wrap(model, provider: str, args):
     _, tuner = PROVIDERS[provider]
     common = dict(r=RANK, lora_alpha=2 * RANK, lora_dropout=args.lora_dropout, target_modules="all-linear",
                   task_type="CAUSAL_LM")  # fmt: skip
-    if tuner == "fastlora":
+    if tuner == "fastlora" or tuner in FAST_PATH_OPTIONS:
         extra = {"adapter_dtype": "bf16"} if args.adapter_dtype == "bf16" else {}
         model = get_peft_model(model, peft_fastlora.FastLoraConfig(**common, **extra))
+        if tuner in FAST_PATH_OPTIONS:
+            report = peft_fastlora.enable_fast_path(model, **FAST_PATH_OPTIONS[tuner])
+            print(f"  {provider}: {report.summary()}", flush=True)
     else:
         model = get_peft_model(model, LoraConfig(**common))
         if args.adapter_dtype == "bf16":
@@ -175,7 +198,7 @@ def wrap(model, provider: str, args):
     from peft_fastlora.layer import FastLoraLayer
 
     n_fast = sum(isinstance(m, FastLoraLayer) for m in model.modules())  # the layers, not the FastLoraModel tuner
-    if tuner == "fastlora" and n_fast == 0:
+    if tuner != "peft" and n_fast == 0:
         raise RuntimeError("FastLoraConfig created no FastLoRA layer: the bitsandbytes layers were not dispatched")
     return model, n_fast
 
@@ -185,16 +208,16 @@ def adapter_dtypes(model) -> str:
     return "/".join(dtypes)
 
 
-def set_checkpointing(model, on: bool) -> None:
+def set_checkpointing(model, on: bool, reentrant: bool = False) -> None:
     """Non-reentrant gradient (activation) checkpointing on or off; transformers 5.2x renamed the methods."""
     base = model.get_base_model()
     if hasattr(base, "activation_checkpointing_enable"):
         if on:
-            base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
         else:
             base.activation_checkpointing_disable()
     elif on:
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     else:
         base.gradient_checkpointing_disable()
 
@@ -212,7 +235,7 @@ def train_step(model, optimizer, ids: torch.Tensor, device: torch.device) -> tor
 
 
 def run_training(model, batch: int, ckpt: bool, args, device: torch.device, vocab: int, progress) -> dict:
-    set_checkpointing(model, ckpt)
+    set_checkpointing(model, ckpt, args.reentrant)
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(3, vocab, (batch, args.seq), device=device)
@@ -374,6 +397,9 @@ def derive(rows: list[dict], gen_rows: list[dict], reference: bool = False) -> N
         row["ratio_to_bf16"] = _ratio(row["tokens_per_s"], bf16 and bf16["tokens_per_s"])
         row["ratio_to_peft_bnb"] = _ratio(row["tokens_per_s"], twin and twin["tokens_per_s"])
         row["peak_vs_peft_bnb"] = _ratio(row.get("peak_GiB"), twin and twin.get("peak_GiB"))
+        unsloth = _find(rows, provider="unsloth-nf4", **key)
+        row["ratio_to_unsloth"] = _ratio(row["tokens_per_s"], unsloth and unsloth["tokens_per_s"])
+        row["peak_vs_unsloth"] = _ratio(row.get("peak_GiB"), unsloth and unsloth.get("peak_GiB"))
     for row in gen_rows:
         if reference:
             row["ref_tokens_per_s"] = REFERENCE_GEN.get(row["provider"])
@@ -382,6 +408,8 @@ def derive(rows: list[dict], gen_rows: list[dict], reference: bool = False) -> N
         bf16, twin = _find(gen_rows, provider="bf16-lora"), _find(gen_rows, provider=PEFT_TWIN.get(row["provider"]))
         row["ratio_to_bf16"] = _ratio(row["tokens_per_s"], bf16 and bf16["tokens_per_s"])
         row["ratio_to_peft_bnb"] = _ratio(row["tokens_per_s"], twin and twin["tokens_per_s"])
+        unsloth = _find(gen_rows, provider="unsloth-nf4")
+        row["ratio_to_unsloth"] = _ratio(row["tokens_per_s"], unsloth and unsloth["tokens_per_s"])
         ratios = same_round_ratios(round_rates(row), round_rates(bf16))
         (row["ratio_to_bf16_round_median"], row["ratio_to_bf16_round_min"],
          row["ratio_to_bf16_round_max"]) = _spread(ratios)  # fmt: skip
@@ -427,14 +455,14 @@ def print_tables(rows: list[dict], gen_rows: list[dict]) -> None:
     if rows:
         C.print_table(sorted(rows, key=lambda r: (r["batch"], r["ckpt"])),
                       ["batch", "ckpt", "provider", "adapter_dtype", "median_step_ms", "tokens_per_s", "ratio_to_bf16",
-                       "ratio_to_peft_bnb", "peak_GiB", "peak_vs_peft_bnb", "loss", "ref_tokens_per_s",
-                       "ref_peak_GiB", "status"],
+                       "ratio_to_peft_bnb", "ratio_to_unsloth", "peak_GiB", "peak_vs_peft_bnb", "peak_vs_unsloth",
+                       "loss", "ref_tokens_per_s", "ref_peak_GiB", "status"],
                       "== training step (ratios: this run only; ref_* = reference (earlier run), context only) ==")
     if gen_rows:
         C.print_table(gen_rows, ["provider", "new_tokens", "repeats", "tokens_per_s", "tokens_per_s_min",
                                  "tokens_per_s_max", "ratio_to_bf16", "ratio_to_bf16_round_median",
                                  "ratio_to_bf16_round_min", "ratio_to_bf16_round_max", "ratio_to_peft_bnb",
-                                 "ref_tokens_per_s", "status", "error"],
+                                 "ratio_to_unsloth", "ref_tokens_per_s", "status", "error"],
                       "== greedy generation, batch 1, providers interleaved round by round (tokens_per_s: median of "
                       "the rounds; ratio_to_bf16: of the medians; *_round_*: same-round ratios; ref_tokens_per_s = "
                       "reference (earlier run), context only) ==")  # fmt: skip
@@ -477,6 +505,98 @@ def finalize(rows, gen_rows, out, env, log=None, gen_log=None, reference=False) 
     C.run_finalize_steps(steps)
 
 
+# ---- one process per provider ------------------------------------------------------------------------------------
+
+UNSLOTH_SCRIPT = Path(__file__).with_name("unsloth_step.py")
+# Options the parent sets for each child (option -> takes a value).
+_CHILD_OPTIONS = {"--providers": True, "--gen-providers": True, "--out": True, "--model-dir": True,
+                  "--keep-model": False, "--no-gen": False, "--in-process": False}  # fmt: skip
+
+
+def child_argv(argv: list[str]) -> list[str]:
+    """``argv`` without the options that the parent sets per child."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in _CHILD_OPTIONS:
+            skip = _CHILD_OPTIONS[name] and "=" not in arg
+            continue
+        kept.append(arg)
+    return kept
+
+
+def run_child(provider: str, argv: list[str], out: Path, model_dir: Path, generate: bool) -> None:
+    cmd = [sys.executable, str(Path(__file__).resolve()), *child_argv(argv), "--in-process", "--providers", provider,
+           "--out", str(out), "--model-dir", str(model_dir), "--keep-model"]  # fmt: skip
+    cmd += ["--gen-providers", provider] if generate else ["--no-gen"]
+    print(f"\n== {provider}: its own process ==", flush=True)
+    subprocess.run(cmd, check=False)
+
+
+def run_unsloth(args, out: Path, generate: bool) -> tuple[list[dict], list[dict]]:
+    """Unsloth's step in its own process (it patches transformers and PEFT on import); its rows in our columns."""
+    gc_modes = {"off": "False", "on": "unsloth"}
+    env = dict(os.environ, LAYERS=str(args.layers or LLAMA3_8B_8_LAYERS["num_hidden_layers"]),
+               BATCH=",".join(map(str, args.batches)), STEPS=str(args.steps), OUT=str(out),
+               GC=",".join(gc_modes[c] for c in args.ckpts), GEN="1" if generate else "0",
+               LORA_BF16="1")  # fmt: skip
+    print("\n== unsloth-nf4: its own process ==", flush=True)
+    subprocess.run([sys.executable, str(UNSLOTH_SCRIPT)], env=env, check=False)
+    path = out / "unsloth.json"
+    found = json.loads(path.read_text()) if path.exists() else []
+    base = dict(provider_fields("unsloth-nf4"), seq=2048, steps=args.steps, adapter_dtype="bfloat16")
+    rows, gen_rows = [], []
+    for r in found:
+        if r.get("phase") == "gen":
+            ok = "gen_tok_s" in r
+            gen_rows.append(dict(provider_fields("unsloth-nf4"), prompt=64, new_tokens=128, repeats=1,
+                                 seconds=r.get("gen_s"), tokens_per_s=r.get("gen_tok_s"),
+                                 status="ok" if ok else "error", error=None if ok else r.get("error")))  # fmt: skip
+            continue
+        ok = "tok_s" in r
+        rows.append(dict(base, batch=r["batch"], ckpt="off" if r["grad_ckpt"] in (0, False, "0") else "on",
+                         tokens_per_s=r.get("tok_s"), median_step_ms=r["step_s"] * 1e3 if ok else None,
+                         peak_GiB=r.get("peak_gib"), loss=r.get("loss"), status="ok" if ok else "error",
+                         error=None if ok else r.get("error")))  # fmt: skip
+    if not found:
+        rows = [dict(base, batch=b, ckpt=c, status="error", error="unsloth_step.py wrote no rows")
+                for b in args.batches for c in args.ckpts]  # fmt: skip
+    return rows, gen_rows
+
+
+def run_isolated(args, argv: list[str], providers: list[str], gen_providers: list[str]) -> int:
+    """Each provider in its own process, one after the other; then the merged tables, targets and plots."""
+    out: Path = args.out
+    model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="fastlora-bench-model-"))
+    rows, gen_rows = [], []
+    try:
+        for provider in providers:
+            child_out = out / "providers" / provider
+            generate = provider in gen_providers
+            if PROVIDERS[provider][1] == "unsloth":
+                child_rows, child_gen = run_unsloth(args, child_out, generate)
+            else:
+                run_child(provider, argv, child_out, model_dir, generate)
+                child_rows = C.read_csv(child_out / "train_step.csv") if (child_out / "train_step.csv").exists() else []
+                child_gen = C.read_csv(child_out / "generation.csv") if (child_out / "generation.csv").exists() else []
+            rows += child_rows
+            gen_rows += child_gen
+    finally:
+        if args.model_dir is None and not args.keep_model:
+            shutil.rmtree(model_dir, ignore_errors=True)
+    device = C.pick_device(args.device)
+    env = C.env_info(device)
+    env["run"] = f"bench_train_step (one process per provider) {' '.join(argv)}"
+    C.CsvLog(out / "train_step.csv", TRAIN_COLUMNS, env)
+    C.CsvLog(out / "generation.csv", GEN_COLUMNS, env)
+    finalize(rows, gen_rows, out, env, C.CsvLog(out / "train_step.csv", TRAIN_COLUMNS, env),
+             C.CsvLog(out / "generation.csv", GEN_COLUMNS, env))  # fmt: skip
+    return 0
+
+
 # ---- main --------------------------------------------------------------------------------------------------------
 
 
@@ -500,6 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-providers", default=",".join(GEN_PROVIDERS), help="providers to time generation for")
     p.add_argument("--no-gen", action="store_true", help="skip generation")
     p.add_argument("--lora-dropout", type=float, default=0.0)
+    p.add_argument("--reentrant", action="store_true", help="reentrant gradient checkpointing (default: non-reentrant)")
     p.add_argument("--adapter-dtype", default="default", choices=["default", "bf16"],
                    help="default: what get_peft_model gives (PEFT upcasts its adapters to fp32, FastLoRA follows "
                         "its adapter_dtype policy: bf16 here); bf16: bf16 adapters for every provider")
@@ -512,6 +633,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-reserve-s", type=float, default=None,
                    help="seconds of --budget-s kept for the generation phase: training stops that much earlier "
                         "(default: an estimate for the full-size model on an H100/H200; 0 with --tiny or --no-gen)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run every provider in this process (default: each provider in its own process, the only way "
+                        "peak memory compares: a model leaves memory behind for the next one in the same process)")
     p.add_argument("--replot", action="store_true", help="only re-read the CSVs in --out and redo tables/targets/plots")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
     return p
@@ -553,6 +677,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if unknown:
         raise SystemExit(f"unknown provider(s) {unknown}; choose from {list(PROVIDERS)}")
     providers = [p for p in PROVIDERS if p in providers or p in profile]
+    if not args.in_process and len(providers) > 1:
+        return run_isolated(args, list(sys.argv[1:] if argv is None else argv), providers,
+                            [p for p in gen_providers if p in providers])  # fmt: skip
+    if "unsloth-nf4" in providers:
+        raise SystemExit("unsloth-nf4 runs only in its own process: leave out --in-process")
 
     import bitsandbytes  # noqa: F401  (import everything before gc.freeze)
     import peft  # noqa: F401

@@ -9,6 +9,8 @@ from .config import FastLoraConfig
 from .distributed import clean_wrapper_keys, clean_wrapper_name, fsdp1_module_state_from, prepare_for_fsdp
 from .dtypes import ADAPTER_DTYPE_POLICIES, resolve_adapter_dtype
 from .export import export_lora, load_lora_as_fastlora
+from .fast_path import FastPathReport, enable_fast_path
+from .generation import compile_for_generation, restore_eager_generation
 from .guard import overflow_report
 from .layer import FastLoraLayer
 from .model import FastLoraModel
@@ -29,9 +31,13 @@ __all__ = [
     "FastLoraFp16Callback",
     "FastLoraLayer",
     "FastLoraModel",
+    "FastPathReport",
+    "compile_for_generation",
+    "enable_fast_path",
     "export_lora",
     "load_lora_as_fastlora",
     "overflow_report",
     "prepare_for_fsdp",
     "resolve_adapter_dtype",
+    "restore_eager_generation",
 ]

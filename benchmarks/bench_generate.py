@@ -1,0 +1,150 @@
+"""Greedy generation with the adapter active: eager ``generate`` and the compiled decode step (static KV cache,
+``torch.compile(mode="reduce-overhead")``: CUDA graphs), on a Llama-3-8B-shaped model (8 decoder layers).
+
+Providers: ``bf16-lora`` (PEFT LoRA, unquantized bf16), ``peft-bnb-nf4`` (PEFT LoRA on bitsandbytes nf4) and
+``fastlora-nf4`` (FastLoRA on the same nf4 model), each ``eager`` and ``compiled``, at the given batch sizes. Every
+provider runs in this process one after the other (only speed is compared here; Unsloth's generation, which patches
+transformers, is measured by ``bench_train_step.py --providers unsloth-nf4`` in its own process). For the compiled
+mode the script reports graph breaks and CUDA-graph skips, and checks that the compiled tokens equal the eager ones.
+
+GPU:  python benchmarks/bench_generate.py --out benchmarks/results/generate
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _common as C
+import torch
+from bench_train_step import LLAMA3_8B_8_LAYERS, RANK, TINY, build_and_save, load_model
+
+PROVIDERS = {"bf16-lora": (None, "peft"), "peft-bnb-nf4": ("nf4", "peft"), "fastlora-nf4": ("nf4", "fastlora")}
+COLUMNS = ["provider", "mode", "batch", "prompt", "new_tokens", "repeats", "tokens_per_s", "ratio_to_peft_bnb_eager",
+           "same_tokens_as_eager", "graph_breaks", "cudagraph_skips", "status", "error"]  # fmt: skip
+
+
+def wrap(model, tuner: str):
+    from peft import LoraConfig, get_peft_model
+
+    import peft_fastlora
+
+    common = dict(r=RANK, lora_alpha=2 * RANK, target_modules="all-linear", task_type="CAUSAL_LM")
+    config = peft_fastlora.FastLoraConfig(**common) if tuner == "fastlora" else LoraConfig(**common)
+    model = get_peft_model(model, config)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # a trained-looking adapter: B = 0 would make the LoRA term vanish
+            torch.nn.init.normal_(param, std=0.02)
+        if param.requires_grad:
+            param.data = param.data.to(torch.bfloat16)
+    return model.eval()
+
+
+def compile_decode(model) -> None:
+    """The decode step compiled with CUDA graphs and a static cache (``peft_fastlora.compile_for_generation``, which
+    transformers' own compiled generation does the same way but skips for bitsandbytes models)."""
+    from peft_fastlora.generation import compile_for_generation
+
+    compile_for_generation(model)
+
+
+def generate(model, prompt, new_tokens: int, static: bool):
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                  attention_mask=torch.ones_like(prompt))  # fmt: skip
+    if static:
+        kwargs["cache_implementation"] = "static"
+    with torch.inference_mode():
+        return model.generate(input_ids=prompt, **kwargs)
+
+
+def timed(model, prompt, new_tokens, static, repeats) -> tuple[float, torch.Tensor]:
+    rates, out = [], None
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = generate(model, prompt, new_tokens, static)
+        torch.cuda.synchronize()
+        rates.append(prompt.shape[0] * new_tokens / (time.perf_counter() - start))
+    return statistics.median(rates), out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/generate"))
+    p.add_argument("--providers", default=",".join(PROVIDERS))
+    p.add_argument("--modes", default="eager,compiled")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tiny", action="store_true", help="tiny model (smoke run; still needs CUDA)")
+    args = p.parse_args(argv)
+    import transformers
+    from torch._dynamo.utils import counters
+
+    transformers.logging.set_verbosity_error()
+    device = C.pick_device("cuda")
+    env = C.env_info(device)
+    env["run"] = "bench_generate " + " ".join(sys.argv[1:] if argv is None else argv)
+    log = C.CsvLog(args.out / "generate.csv", COLUMNS, env)
+    config = transformers.LlamaConfig(**(TINY if args.tiny else LLAMA3_8B_8_LAYERS))
+    config.dtype = torch.bfloat16
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fastlora-gen-model-") as tmp:
+        model_dir = Path(tmp)
+        built, _, _ = build_and_save(config, device, model_dir)
+        del built
+        C.free_memory(device)
+        for provider in C.parse_csv_arg(args.providers):
+            quant, tuner = PROVIDERS[provider]
+            for mode in C.parse_csv_arg(args.modes):
+                torch._dynamo.reset()
+                counters.clear()
+                torch.manual_seed(0)
+                model = wrap(load_model(model_dir, quant, device), tuner)
+                if mode == "compiled":
+                    compile_decode(model)
+                for batch in map(int, C.parse_csv_arg(args.batches)):
+                    row = dict(provider=provider, mode=mode, batch=batch, prompt=args.prompt_len,
+                               new_tokens=args.new_tokens, repeats=args.repeats)  # fmt: skip
+                    try:
+                        torch.manual_seed(batch)
+                        prompt = torch.randint(3, config.vocab_size, (batch, args.prompt_len), device=device)
+                        static = mode == "compiled"
+                        generate(model, prompt, args.new_tokens, static)  # compile / record the graphs
+                        generate(model, prompt, args.new_tokens, static)
+                        rate, out = timed(model, prompt, args.new_tokens, static, args.repeats)
+                        row.update(tokens_per_s=rate, status="ok")
+                        if mode == "compiled":
+                            eager = next((r for r in rows if r["provider"] == provider and r["mode"] == "eager"
+                                          and r["batch"] == batch and "tokens" in r), None)  # fmt: skip
+                            if eager is not None:
+                                row["same_tokens_as_eager"] = bool(torch.equal(eager["tokens"], out.cpu()))
+                            row["graph_breaks"] = sum(counters["graph_break"].values())
+                            row["cudagraph_skips"] = counters["inductor"].get("cudagraph_skips", 0)
+                        row["tokens"] = out.cpu()
+                    except Exception as err:
+                        row.update(status="oom" if C.is_oom(err) else "error", error=C.short_error(err))
+                    rows.append(row)
+                    log.append(row)
+                    print(f"  {provider:14s} {mode:8s} batch {batch:3d}: {C.fmt(row.get('tokens_per_s'), 4)} tok/s "
+                          f"same-tokens={row.get('same_tokens_as_eager')} breaks={row.get('graph_breaks')} "
+                          f"skips={row.get('cudagraph_skips')} {row['status']} {row.get('error') or ''}", flush=True)
+                del model
+                C.free_memory(device)
+    for row in rows:
+        base = next((r for r in rows if r["provider"] == "peft-bnb-nf4" and r["mode"] == "eager"
+                     and r["batch"] == row["batch"] and r.get("tokens_per_s")), None)  # fmt: skip
+        if base and row.get("tokens_per_s"):
+            row["ratio_to_peft_bnb_eager"] = row["tokens_per_s"] / base["tokens_per_s"]
+    log.rewrite(rows)
+    C.print_table(rows, [c for c in COLUMNS if c not in ("prompt", "repeats")], "== greedy generation ==")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

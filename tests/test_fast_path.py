@@ -1,0 +1,285 @@
+"""The whole-step fast path (``enable_fast_path``) and compiled generation (``compile_for_generation``).
+
+CPU tests compile with the ``aot_eager`` backend and ``fullgraph=True`` (a graph break fails the test) and compare
+with the same model run eagerly: the compiled graph runs the same ops, so losses, gradients and greedy tokens are
+equal, not merely close. Liger-Kernel is replaced by a recording stand-in where its choice of kernels is tested (its
+kernels need a GPU); GPU tests use the real one when it is installed.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+from peft import get_peft_model
+
+import peft_fastlora
+from peft_fastlora import fast_path
+from tests.utils import load_quantized, save_tiny_llama
+
+AOT = {"backend": "aot_eager", "fullgraph": True}
+
+
+def fastlora_model(path, seed: int = 5, device: str = "cpu", **config):
+    torch.manual_seed(seed)
+    model = load_quantized(path)
+    if device != "cpu":
+        model = model.to(device)
+    config = {"r": 8, "target_modules": "all-linear", "task_type": "CAUSAL_LM", **config}
+    model = get_peft_model(model, peft_fastlora.FastLoraConfig(**config))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # B = 0 would hide the LoRA term from every comparison
+            torch.nn.init.normal_(param, std=0.05)
+    return model
+
+
+def set_checkpointing(model, mode: str) -> None:
+    base = model.get_base_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        if mode == "off":
+            base.gradient_checkpointing_disable()
+        else:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("ckpt", ["off", "non-reentrant", "reentrant"])
+def test_compiled_blocks_match_eager_exactly(tiny_llama_path, ckpt):
+    ids = torch.randint(3, 128, (2, 16))
+    eager, fast = fastlora_model(tiny_llama_path), fastlora_model(tiny_llama_path)
+    report = peft_fastlora.enable_fast_path(fast, liger=False, compile_blocks=True, compile_options=AOT)
+    assert report.compiled_blocks == len(fast_path.decoder_blocks(fast.get_base_model())) == 2
+    for model in (eager, fast):
+        model.train()
+        set_checkpointing(model, ckpt)
+    loss_e, grads_e = loss_and_grads(eager, ids)
+    loss_f, grads_f = loss_and_grads(fast, ids)
+    assert torch.equal(loss_e, loss_f)
+    assert grads_e.keys() == grads_f.keys() and len(grads_e) == 28  # 2 layers x 7 linears x (A, B)
+    for name in grads_e:
+        assert torch.equal(grads_e[name], grads_f[name]), name
+
+
+def test_compiled_blocks_share_their_graphs(tmp_path):
+    """Blocks reuse each other's compiled code: no recompile per layer (a real model has 32+ layers, and dynamo runs
+    a function eagerly once it has recompiled `recompile_limit` times). Two graphs for six blocks: the first block's
+    input (the frozen embedding's output) does not require grad, the others' do."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = fastlora_model(save_tiny_llama(tmp_path, num_hidden_layers=6))
+    report = peft_fastlora.enable_fast_path(model, liger=False, compile_blocks=True, compile_options=AOT)
+    assert report.compiled_blocks == 6
+    model.train()
+    loss_and_grads(model, torch.randint(3, 128, (2, 16)))
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_eval_and_generation_run_eagerly_and_match(tiny_llama_path):
+    ids = torch.randint(3, 128, (1, 5))
+    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    plain, fast = fastlora_model(tiny_llama_path).eval(), fastlora_model(tiny_llama_path).eval()
+    peft_fastlora.enable_fast_path(fast, liger=False, compile_blocks=True, compile_options=AOT)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    with torch.inference_mode():
+        assert torch.equal(plain.generate(input_ids=ids, **kwargs), fast.generate(input_ids=ids, **kwargs))
+    assert counters["stats"]["unique_graphs"] == 0  # nothing compiled for generation: blocks ran eagerly
+
+
+def test_liger_missing_warns_once_or_raises(tiny_llama_path, monkeypatch):
+    monkeypatch.setattr(fast_path, "liger_available", lambda: False)
+    model = fastlora_model(tiny_llama_path)
+    with pytest.warns(UserWarning, match=r"peft-fastlora\[fast\]") as records:
+        report = peft_fastlora.enable_fast_path(model)
+    assert len([r for r in records if "Liger" in str(r.message)]) == 1
+    assert report.liger_kernels == [] and "Liger-Kernel not applied" in report.notes
+    with pytest.raises(RuntimeError, match="not installed"):
+        peft_fastlora.enable_fast_path(model, liger=True)
+
+
+@pytest.fixture
+def fake_liger(monkeypatch):
+    """A stand-in for liger_kernel's architecture table that records what the fast path asks for."""
+    calls = []
+
+    def apply_llama(rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True,
+                    model=None):  # fmt: skip
+        calls.append(dict(rope=rope, cross_entropy=cross_entropy, rms_norm=rms_norm, swiglu=swiglu, model=model,
+                          fused_linear_cross_entropy=fused_linear_cross_entropy))  # fmt: skip
+
+    module = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    module.MODEL_TYPE_TO_APPLY_LIGER_FN = {"llama": apply_llama}
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", module)
+    monkeypatch.setattr(fast_path, "liger_available", lambda: True)
+    return calls
+
+
+def test_liger_gets_the_transformers_model_and_all_kernels_when_eager(tiny_llama_path, fake_liger):
+    model = fastlora_model(tiny_llama_path)
+    report = peft_fastlora.enable_fast_path(model)
+    (call,) = fake_liger
+    assert call["model"] is model.get_base_model()  # Liger patches a transformers model, never the PeftModel
+    assert call["fused_linear_cross_entropy"] and call["rope"] and call["rms_norm"] and call["swiglu"]
+    assert not call["cross_entropy"]
+    assert set(report.liger_kernels) == {"fused_linear_cross_entropy", "rope", "rms_norm", "swiglu"}
+
+
+def test_liger_keeps_only_the_loss_when_blocks_compile(tiny_llama_path, fake_liger):
+    model = fastlora_model(tiny_llama_path)
+    report = peft_fastlora.enable_fast_path(model, compile_blocks=True, compile_options=AOT)
+    (call,) = fake_liger
+    assert call["fused_linear_cross_entropy"] and not (call["rope"] or call["rms_norm"] or call["swiglu"])
+    assert report.liger_kernels == ["fused_linear_cross_entropy"]
+
+
+def test_lora_on_lm_head_turns_the_fused_loss_off(tiny_llama_path, fake_liger):
+    model = fastlora_model(tiny_llama_path, target_modules=["q_proj", "lm_head"])
+    report = peft_fastlora.enable_fast_path(model)
+    assert not fake_liger[0]["fused_linear_cross_entropy"]
+    assert any("lm_head" in note for note in report.notes)
+
+
+def test_unsupported_architecture_warns_or_raises(tiny_llama_path, fake_liger, monkeypatch):
+    model = fastlora_model(tiny_llama_path)
+    monkeypatch.setattr(model.get_base_model().config, "model_type", "not-a-liger-model")
+    with pytest.warns(UserWarning, match="no kernels for model_type 'not-a-liger-model'"):
+        report = peft_fastlora.enable_fast_path(model)
+    assert report.liger_kernels == [] and not fake_liger
+    with pytest.raises(RuntimeError, match="not-a-liger-model"):
+        peft_fastlora.enable_fast_path(model, liger=True)
+
+
+@pytest.mark.parametrize(("name", "value"), [("liger", "yes"), ("compile_blocks", "auto"), ("offload_activations", 1)])
+def test_bad_arguments_name_the_argument(tiny_llama_path, name, value):
+    model = fastlora_model(tiny_llama_path)
+    with pytest.raises(ValueError, match=f"`{name}` must be one of .* got {value!r}"):
+        peft_fastlora.enable_fast_path(model, **{name: value})
+
+
+def test_not_a_transformers_model_is_refused():
+    with pytest.raises(TypeError, match="transformers model or a PeftModel"):
+        peft_fastlora.enable_fast_path(torch.nn.Linear(2, 2))
+
+
+def test_offload_on_cpu_is_a_noted_no_op(tiny_llama_path):
+    model = fastlora_model(tiny_llama_path)
+    report = peft_fastlora.enable_fast_path(model, liger=False, offload_activations=True)
+    assert report.offload_activations is False and any("not on CUDA" in n for n in report.notes)
+
+
+def test_compiled_generation_matches_eager_and_restores(tiny_llama_path):
+    from torch._dynamo.utils import counters
+
+    ids = torch.randint(3, 128, (2, 6))
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
+                  attention_mask=torch.ones_like(ids))  # fmt: skip
+    model = fastlora_model(tiny_llama_path).eval()
+    with torch.inference_mode():
+        eager = model.generate(input_ids=ids, **kwargs)
+    peft_fastlora.compile_for_generation(model, mode=None, **AOT)  # fullgraph: a graph break fails here
+    assert model.get_base_model().generation_config.cache_implementation == "static"
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.inference_mode():
+        compiled = model.generate(input_ids=ids, **kwargs)
+    assert torch.equal(eager, compiled)
+    assert counters["stats"]["unique_graphs"] == 1  # the decode step; the prompt ran eagerly
+    peft_fastlora.restore_eager_generation(model)
+    assert "forward" not in model.get_base_model().__dict__
+    assert model.get_base_model().generation_config.cache_implementation is None
+
+
+# ---- GPU -----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_offloaded_checkpointing_matches_and_moves_inputs_to_cpu(tiny_llama_path):
+    ids = torch.randint(3, 128, (2, 64), device="cuda")
+    plain, fast = fastlora_model(tiny_llama_path, device="cuda"), fastlora_model(tiny_llama_path, device="cuda")
+    report = peft_fastlora.enable_fast_path(fast, liger=False, offload_activations=True)
+    assert report.offload_activations
+    packed = []
+    original = fast_path._pack
+
+    def recording_pack(hooks, min_bytes, tensor):
+        out = original(hooks, 0, tensor)  # every size: the tiny model's activations are small
+        packed.append(not isinstance(out, torch.Tensor))
+        return out
+
+    fast_path._pack = recording_pack
+    try:
+        for model in (plain, fast):
+            model.train()
+            set_checkpointing(model, "non-reentrant")
+        loss_p, grads_p = loss_and_grads(plain, ids)
+        loss_f, grads_f = loss_and_grads(fast, ids)
+    finally:
+        fast_path._pack = original
+    assert any(packed), "no checkpointed input went to CPU memory"
+    assert torch.equal(loss_p, loss_f)
+    for name in grads_p:
+        assert torch.equal(grads_p[name], grads_f[name]), name
+
+
+@pytest.mark.gpu
+def test_fast_path_with_liger_tracks_plain_fastlora_over_20_steps(tiny_llama_path):
+    pytest.importorskip("liger_kernel")
+    ids = torch.randint(3, 128, (4, 64), device="cuda")
+    curves = []
+    for use_fast in (False, True):
+        model = fastlora_model(tiny_llama_path, device="cuda")
+        if use_fast:
+            assert peft_fastlora.enable_fast_path(model, liger=True).liger_kernels
+        model.train()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        curve = []
+        for _ in range(20):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            curve.append(loss.item())
+        curves.append(torch.tensor(curve))
+    plain, fast = curves
+    assert fast[-1] < fast[0]  # it trains
+    # bf16 rounding in different kernel orders: within 2% of the plain loss at every step.
+    torch.testing.assert_close(fast, plain, rtol=2e-2, atol=0)
+
+
+@pytest.mark.gpu
+def test_compiled_generation_on_gpu_replays_cuda_graphs_with_same_tokens(tiny_llama_path):
+    from torch._dynamo.utils import counters
+
+    model = fastlora_model(tiny_llama_path, device="cuda").eval()
+    with torch.no_grad():  # wide logit margins: greedy tokens must not flip on last-bit differences
+        model.get_base_model().lm_head.weight.mul_(20)
+    ids = torch.randint(3, 128, (2, 6), device="cuda")
+    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+                  attention_mask=torch.ones_like(ids), cache_implementation="static")  # fmt: skip
+    with torch.inference_mode():
+        eager = model.generate(input_ids=ids, **kwargs)
+    peft_fastlora.compile_for_generation(model)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.inference_mode():
+        for _ in range(3):  # compile, record, replay
+            compiled = model.generate(input_ids=ids, **kwargs)
+    assert torch.equal(eager, compiled)
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["inductor"].get("cudagraph_skips", 0) == 0
