@@ -36,8 +36,6 @@ from torch import nn
 
 matplotlib.use("Agg")  # headless: a GPU server has no display
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
 # ---- environment ---------------------------------------------------------------------------------------------------
 
 
