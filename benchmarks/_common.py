@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts: environment capture, CSV/table/plot output, timers, targets.
+"""Helpers shared by the benchmark scripts: environment, the package internals they use, CSV/table output, row
+lookups, timers, weight and layer builders, targets and plots.
 
 Every output file starts with the same header (GPU, library versions, date, command line) so that numbers from
 different machines are never mixed up; every comparison is between providers measured in the same run.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import functools
 import gc
 import hashlib
 import importlib.metadata
@@ -25,16 +27,14 @@ import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # `python benchmarks/x.py` puts benchmarks/ first on the path, not the repo root
-    sys.path.insert(0, str(REPO_ROOT))
+import matplotlib
+import torch
+from torch import nn
 
-import matplotlib  # noqa: E402
-
-matplotlib.use("Agg")  # headless: the GPU box has no display
-import torch  # noqa: E402
+matplotlib.use("Agg")  # headless: a GPU server has no display
 
 # ---- environment ---------------------------------------------------------------------------------------------------
 
@@ -51,15 +51,23 @@ def _version(module: str) -> str:
     return str(getattr(mod, "__version__", "?"))
 
 
+def package_dir() -> Path:
+    """Directory of the ``peft_fastlora`` that runs (the installed one, or this checkout's via ``PYTHONPATH``)."""
+    import peft_fastlora
+
+    return Path(peft_fastlora.__file__).resolve().parent
+
+
 def _git_revision() -> str:
-    """Short HEAD, with ``+modified`` when the package or benchmark sources differ from it (a copied working tree can
-    carry an older ``.git``: the device machines reported the session's first commit for later code)."""
+    """Short HEAD of the package's checkout, with ``+modified`` when the package or benchmark sources differ from it
+    (a copied working tree can carry an older ``.git``)."""
+    root = package_dir().parent
     try:
         head = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--", "peft_fastlora", "benchmarks"],
+            ["git", "-C", str(root), "status", "--porcelain", "--", "peft_fastlora", "benchmarks"],
             capture_output=True, text=True, timeout=5,
         ).stdout.strip()  # fmt: skip
     except Exception:
@@ -70,13 +78,13 @@ def _git_revision() -> str:
 def source_digest() -> str:
     """sha256 (12 hex digits) of the package's source files: identifies the code that ran, whatever git says.
 
-    To match a CSV to a commit, check the commit out and run
-    ``python -c "import sys; sys.path[:0] = ['benchmarks']; import _common; print(_common.source_digest())"``.
+    To match a CSV to a commit, check the commit out and run, from the repository root,
+    ``PYTHONPATH=.:benchmarks python -c "import _common; print(_common.source_digest())"``.
     """
     digest = hashlib.sha256()
-    package = REPO_ROOT / "peft_fastlora"
+    package = package_dir()
     for path in sorted([*package.rglob("*.py"), *package.rglob("*.json")]):
-        digest.update(path.relative_to(REPO_ROOT).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+        digest.update(path.relative_to(package.parent).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
 
 
@@ -122,8 +130,8 @@ def setup_run() -> None:
     # bnb logs "MatMul8bitLt: inputs will be cast ... to float16" on every bf16 int8 call: thousands of lines.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' method renames, once per call site
-    # `timeout` (run_gpu.sh) sends SIGTERM: turn it into KeyboardInterrupt so the scripts write tables, targets and
-    # plots of what was measured before exiting. SIGINT too, even if the launching shell left it ignored.
+    # SIGTERM (e.g. from `timeout`) and SIGINT become KeyboardInterrupt, so the scripts write tables, targets and plots
+    # of what was measured before exiting. SIGINT too, even if the launching shell left it ignored.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -138,6 +146,39 @@ def pick_device(name: str) -> torch.device:
     if name == "cpu":
         torch.set_num_threads(1)  # tiny CPU runs: one thread is fastest and steadiest on a shared CI box
     return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device(name)
+
+
+# ---- package internals ---------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def internals() -> SimpleNamespace:
+    """Every non-public ``peft_fastlora`` name the benchmark scripts use, imported here and nowhere else.
+
+    The public API (``FastLoraConfig``, ``peft_fastlora.ops.fastlora_linear``/``dequantize``/``Packed4bit``/
+    ``Int8Rowwise``) is imported where it is used; what is below can move when the package is reorganized, and this is
+    the one place to follow it.
+
+    Attributes:
+        packed4bit_from_bnb: ``(data, quant_state) -> Packed4bit`` from a bitsandbytes 4-bit weight.
+        int8_from_bnb: ``(Int8Params) -> Int8Rowwise`` from a bitsandbytes int8 weight.
+        fused_small_m: the fused small-M forward, ``(x, weight, bias, lora_a, lora_b, scaling) -> y``, called directly
+            (no dispatch, no crossover lookup).
+        pick_small_m_config: ``(m, n, k, device, kind) -> SmallMConfig``, the tiling the dispatcher would launch.
+        launch_cache_size: ``() -> int``, compiled kernels in the launch cache.
+        launch_hooks_set: ``() -> bool``, whether Triton launch hooks are set (they slow every launch).
+    """
+    from peft_fastlora.bnb_weights import int8_from_bnb, packed4bit_from_bnb
+    from peft_fastlora.ops import _launch, fused_small_m
+
+    return SimpleNamespace(
+        packed4bit_from_bnb=packed4bit_from_bnb,
+        int8_from_bnb=int8_from_bnb,
+        fused_small_m=fused_small_m.fused_lora_linear_small_m,
+        pick_small_m_config=fused_small_m.pick_config,
+        launch_cache_size=lambda: len(_launch._COMPILED),
+        launch_hooks_set=_launch._launch_hooks_set,
+    )
 
 
 # ---- CSV -----------------------------------------------------------------------------------------------------------
@@ -183,7 +224,8 @@ class CsvLog:
         self._write(rows)
 
 
-def _parse(value: str):
+def parse_cell(value: str):
+    """A CSV cell back to int, float or str; an empty cell to None."""
     if value == "":
         return None
     try:
@@ -212,7 +254,7 @@ def read_csv(path: Path) -> list[dict]:
     """Rows of a [`CsvLog`] file, numbers parsed, empty cells as None."""
     with open(path, newline="") as f:
         lines = [line for line in f if not line.startswith("#")]
-    return [{k: _parse(v) for k, v in row.items()} for row in csv.DictReader(lines)]
+    return [{k: parse_cell(v) for k, v in row.items()} for row in csv.DictReader(lines)]
 
 
 # ---- tables --------------------------------------------------------------------------------------------------------
@@ -242,6 +284,52 @@ def format_table(rows: list[dict], columns: list[str], title: Optional[str] = No
 
 def print_table(rows: list[dict], columns: list[str], title: Optional[str] = None) -> None:
     print(format_table(rows, columns, title), flush=True)
+
+
+# ---- rows and arguments --------------------------------------------------------------------------------------------
+
+
+def parse_csv_arg(value: Optional[str]) -> Optional[list[str]]:
+    """``"a,b"`` -> ``["a", "b"]``; None stays None (meaning: the default)."""
+    if value is None:
+        return None
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def find_row(rows: list[dict], **key) -> Optional[dict]:
+    """The first row with ``status == "ok"`` whose columns equal ``key``; None if there is none."""
+    for row in rows:
+        if row.get("status") == "ok" and all(row.get(k) == v for k, v in key.items()):
+            return row
+    return None
+
+
+def ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
+    """``num / den``; None when either is missing or ``den`` is 0."""
+    return None if num is None or den is None or den == 0 else num / den
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def shape_name(k: int, n: int) -> str:
+    """``"K->N"``: in_features -> out_features, the way every table names a layer shape."""
+    return f"{k}->{n}"
+
+
+def parse_shapes(value: Optional[str], arg: str = "--shapes") -> Optional[list[tuple[int, int]]]:
+    """``"4096x14336,14336x4096"`` (or ``->`` instead of ``x``) -> ``[(4096, 14336), (14336, 4096)]``: (in, out)
+    pairs; None stays None (meaning: the default)."""
+    if value is None:
+        return None
+    shapes = []
+    for item in parse_csv_arg(value):
+        parts = item.replace("->", "x").split("x")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            raise SystemExit(f"{arg}: expected IN x OUT items like '4096x14336', got {item!r}")
+        shapes.append((int(parts[0]), int(parts[1])))
+    return shapes
 
 
 # ---- timing --------------------------------------------------------------------------------------------------------
@@ -288,8 +376,48 @@ def cuda_graph_ms(fn: Callable[[], object], warmup_ms: float = 20, rep_ms: float
         del graph
 
 
-def copy_bandwidth_gbps(device: torch.device, nbytes: int = 2**30, warmup_ms: float = 20, rep_ms: float = 60) -> float:
-    """Measured device-to-device copy bandwidth, counting bytes read + written (the run's "HBM bandwidth")."""
+def graph_time_us(calls: list[Callable[[], object]], reps: int = 20) -> float:
+    """Mean microseconds per call of ``calls`` (closures), all captured in one CUDA graph that is replayed ``reps``
+    times.
+
+    Decoding streams every layer's weight once per token, so a weight is never in L2 when its matmul starts. Give
+    ``calls`` one closure per copy of the weight, with enough copies to exceed the L2 (see [`copies_for`]), and the
+    timing reads every weight from HBM, with launch overhead as in graph-captured decoding.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:  # compile / warm up outside the capture
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps / len(calls)
+
+
+def copies_for(nbytes: int, l2_mb: float) -> int:
+    """How many copies of an ``nbytes`` operand [`graph_time_us`] cycles over so that they overflow an L2 of
+    ``l2_mb`` MiB three times."""
+    return max(2, math.ceil(3 * l2_mb * 2**20 / nbytes))
+
+
+def copy_bandwidth_gbps(device: Optional[torch.device] = None, nbytes: int = 2**30, warmup_ms: float = 20,
+                        rep_ms: float = 60) -> float:
+    """Measured device-to-device copy bandwidth, counting bytes read + written (the run's "HBM bandwidth").
+
+    ``device`` defaults to the current CUDA device.
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
     ms = bench_ms(lambda: dst.copy_(src), device, warmup_ms, rep_ms)
@@ -341,6 +469,170 @@ class Deadline:
 
     def expired(self) -> bool:
         return self.budget_s is not None and self.elapsed() > self.budget_s
+
+
+# ---- weights and layers --------------------------------------------------------------------------------------------
+
+RANK = 16
+
+# provider -> (quantization, tuner); quantization None means a bf16 nn.Linear. Run order: the ceiling, then PEFT's
+# layers, then FastLoRA's, so that every ratio's baseline exists when a row is printed.
+PROVIDERS = {
+    "bf16-lora": (None, "peft"),
+    "peft-bnb-nf4": ("nf4", "peft"),
+    "peft-bnb-nf4-dq": ("nf4-dq", "peft"),
+    "peft-bnb-int8": ("int8", "peft"),
+    "fastlora-nf4": ("nf4", "fastlora"),
+    "fastlora-nf4-dq": ("nf4-dq", "fastlora"),
+    "fastlora-int8": ("int8", "fastlora"),
+}
+PEFT_TWIN = {"fastlora-nf4": "peft-bnb-nf4", "fastlora-nf4-dq": "peft-bnb-nf4-dq", "fastlora-int8": "peft-bnb-int8"}
+ADAPTER_DTYPES = ("bf16", "fp32", "peft-default")
+
+
+def weight_bytes(weight) -> int:
+    """Bytes a kernel reads for a weight: a dense tensor's storage, or a ``Packed4bit``'s codes, scales and lookup
+    tables, or an ``Int8Rowwise``'s codes and row scales."""
+    from peft_fastlora.ops import Int8Rowwise
+
+    if isinstance(weight, torch.Tensor):
+        return weight.numel() * weight.element_size()
+    if isinstance(weight, Int8Rowwise):
+        tensors = [weight.cb, weight.scb]
+    else:
+        tensors = [weight.data, weight.absmax, weight.code, weight.nested_absmax, weight.nested_code]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def quantize_nf4(weight: torch.Tensor, nested: bool = True, blocksize: int = 64, quant_type: str = "nf4"):
+    """``(Packed4bit, packed, quant_state)`` of ``weight`` quantized by bitsandbytes (bf16 or fp16 ``weight``)."""
+    import bitsandbytes.functional as bnbF
+
+    q, state = bnbF.quantize_4bit(weight, blocksize=blocksize, quant_type=quant_type, compress_statistics=nested,
+                                  quant_storage=torch.uint8)  # fmt: skip
+    return internals().packed4bit_from_bnb(q, state), q, state
+
+
+def quantize_int8(weight: torch.Tensor):
+    """``(Int8Rowwise, bnb Int8Params)`` of ``weight`` quantized row-wise by bitsandbytes on ``weight``'s device."""
+    import bitsandbytes as bnb
+
+    # Int8Params quantizes only when it moves from the CPU.
+    param = bnb.nn.Int8Params(weight.to("cpu", torch.float16), requires_grad=False, has_fp16_weights=False)
+    param = param.to(weight.device)
+    return internals().int8_from_bnb(param), param
+
+
+class OneLinear(nn.Module):
+    """A model holding one linear layer ``proj``; ``dtype`` mirrors a transformers model loaded in bf16."""
+
+    def __init__(self, linear: nn.Module):
+        super().__init__()
+        self.proj = linear
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def make_base_layer(weight: torch.Tensor, quant: Optional[str], device: torch.device, int8_threshold: float):
+    """A bias-free linear layer holding ``weight`` (N, K): bf16 ``nn.Linear`` or bnb-quantized on ``device``."""
+    n, k = weight.shape
+    if quant is None:
+        linear = nn.Linear(k, n, bias=False, device="meta", dtype=torch.bfloat16)
+        linear.weight = nn.Parameter(weight.to(device, torch.bfloat16), requires_grad=False)
+        return linear
+    import bitsandbytes as bnb
+
+    if quant in ("nf4", "nf4-dq"):
+        nested = quant == "nf4-dq"
+        linear = bnb.nn.Linear4bit(k, n, bias=False, compute_dtype=torch.bfloat16, compress_statistics=nested,
+                                   quant_type="nf4", quant_storage=torch.uint8, device="meta")  # fmt: skip
+        linear.weight = bnb.nn.Params4bit(weight.to(device, torch.bfloat16), requires_grad=False, blocksize=64,
+                                          compress_statistics=nested, quant_type="nf4", module=linear)  # fmt: skip
+        return linear.to(device)  # bitsandbytes quantizes on .to(device)
+    if quant == "int8":
+        linear = bnb.nn.Linear8bitLt(k, n, bias=False, has_fp16_weights=False, threshold=int8_threshold,
+                                     device="meta")  # fmt: skip
+        # Int8Params quantizes only when it moves from the CPU.
+        linear.weight = bnb.nn.Int8Params(weight.to("cpu", torch.float16), requires_grad=False, has_fp16_weights=False)
+        return linear.to(device)
+    raise ValueError(f"unknown quantization {quant!r}")
+
+
+def base_weight_bytes(base: nn.Module, quant: Optional[str]) -> int:
+    """[`weight_bytes`] of a layer from [`make_base_layer`]; call before its first forward (bnb int8 moves CB/SCB on
+    forward)."""
+    if quant is None:
+        return weight_bytes(base.weight)
+    if quant == "int8":
+        return weight_bytes(internals().int8_from_bnb(base.weight))
+    return weight_bytes(internals().packed4bit_from_bnb(base.weight.data, base.weight.quant_state))
+
+
+def make_provider_layer(provider: str, weight: torch.Tensor, device: torch.device, int8_threshold: float = 6.0,
+                        adapter_dtype: str = "bf16") -> tuple[nn.Module, int]:
+    """The LoRA-wrapped layer of ``provider`` (r=[`RANK`], called directly, without PeftModel's wrappers) and the
+    bytes of its base weight.
+
+    ``adapter_dtype``: "bf16" or "fp32" gives every provider adapters of that dtype (a comparison of kernels);
+    "peft-default" what ``get_peft_model`` gives (fp32 PEFT adapters, FastLoRA's ``adapter_dtype`` policy).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    import peft_fastlora
+
+    if adapter_dtype not in ADAPTER_DTYPES:
+        raise ValueError(f"adapter_dtype={adapter_dtype!r}: choose one of {ADAPTER_DTYPES}")
+    quant, tuner = PROVIDERS[provider]
+    base = make_base_layer(weight, quant, device, int8_threshold)
+    nbytes = base_weight_bytes(base, quant)
+    common = dict(r=RANK, lora_alpha=2 * RANK, target_modules=["proj"], lora_dropout=0.0, init_lora_weights=False)
+    peft_default = adapter_dtype == "peft-default"
+    if tuner == "fastlora":
+        config = peft_fastlora.FastLoraConfig(**common, **({} if peft_default else {"adapter_dtype": adapter_dtype}))
+        model = get_peft_model(OneLinear(base), config)
+    else:
+        model = get_peft_model(OneLinear(base), LoraConfig(**common), autocast_adapter_dtype=peft_default)
+        if not peft_default:
+            dtype = torch.float32 if adapter_dtype == "fp32" else torch.bfloat16
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.data = param.data.to(dtype)
+    layer = model.base_model.model.proj
+    if tuner == "fastlora" and not type(layer).__name__.startswith("FastLora"):
+        raise RuntimeError(f"FastLoraConfig did not dispatch to a FastLoRA layer (got {type(layer).__name__})")
+    return layer, nbytes
+
+
+def lora_params(layer) -> list[torch.Tensor]:
+    return [layer.lora_A["default"].weight, layer.lora_B["default"].weight]
+
+
+def make_fn(layer, mode: str, m: int, k: int, n: int, device: torch.device) -> Callable[[], object]:
+    """One call of ``layer`` on M random bf16 rows: ``infer`` = forward under ``torch.no_grad``, ``train`` = forward +
+    backward (grads of x, LoRA A and B, through ``autograd.grad`` so that nothing accumulates between calls)."""
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    if mode == "infer":
+        layer.eval()
+
+        def infer():
+            with torch.no_grad():
+                return layer(x)
+
+        return infer
+    layer.train()
+    x.requires_grad_(True)
+    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+    inputs = [x, *lora_params(layer)]
+
+    def train():
+        return torch.autograd.grad(layer(x), inputs, dy)
+
+    return train
 
 
 # ---- targets -------------------------------------------------------------------------------------------------------
@@ -415,13 +707,6 @@ def save_figure(fig, path: Path, env: dict[str, str]) -> None:
 
     plt.close(fig)
     print(f"wrote {path}", flush=True)
-
-
-def parse_csv_arg(value: Optional[str]) -> Optional[list[str]]:
-    """``"a,b"`` -> ``["a", "b"]``; None stays None (meaning: the default)."""
-    if value is None:
-        return None
-    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 def run_finalize_steps(steps) -> None:

@@ -1,35 +1,46 @@
 """Layer-level benchmark: one LoRA linear layer on Llama-3-8B shapes, every provider measured in the same run.
 
-Providers (each a one-layer module wrapped by ``get_peft_model``):
+Providers (each a one-layer module wrapped by ``get_peft_model``, see ``_common.PROVIDERS``):
   bf16-lora        PEFT LoRA on a bf16 ``nn.Linear`` (the ceiling)
   peft-bnb-nf4     PEFT LoRA on ``bnb.nn.Linear4bit`` nf4, bf16 compute
   peft-bnb-nf4-dq  the same with double quantization
   peft-bnb-int8    PEFT LoRA on ``bnb.nn.Linear8bitLt`` (threshold as transformers' default, 6.0)
   fastlora-nf4, fastlora-nf4-dq, fastlora-int8   FastLoRA (``FastLoraConfig``) on the same bnb layers
 
-Modes: ``infer`` (forward under ``torch.no_grad``) and ``train`` (forward + backward: grads of x, LoRA A and B).
-Decode rows (infer, M <= 16) are also timed as a CUDA-graph replay, with the weight-read rate (quantized weight +
-absmax bytes / time) next to the measured HBM (copy) bandwidth. The dequant section times
-``peft_fastlora.ops.dequantize`` against ``bitsandbytes`` and a device-to-device copy of the output size.
+Sections (``--sections``, default ``layers,dequant``):
+  layers   modes ``infer`` (forward under ``torch.no_grad``) and ``train`` (forward + backward: grads of x, LoRA A and
+           B) per shape, M and provider; decode rows (infer, M <= 16) also as a CUDA-graph replay, with the
+           weight-read rate (quantized weight bytes / time) next to the measured HBM (copy) bandwidth.
+  dequant  ``peft_fastlora.ops.dequantize`` against bitsandbytes and a device-to-device copy of the output size.
+  kernels  the ops without the layer modules, as decoding runs them: the forward of ``fastlora_linear`` at M <= 16
+           (the fused small-M kernel up to the GPU's tuned crossover) with and without LoRA, bitsandbytes'
+           ``matmul_4bit`` with and without PEFT's LoRA matmuls, and the 4-bit dequant to bf16 and fp32. Each is
+           captured in one CUDA graph cycling over enough weight copies to overflow ``--l2-mb``, so weights come from
+           HBM (nf4 with double quantization, r=16, with bias).
+  profile  ``torch.profiler`` of ``--profile-steps`` training calls (forward + backward) per provider, shape and M:
+           the top kernels by GPU time (operators by CPU time without a GPU).
 
-Times are medians of ``triton.testing.do_bench`` (L2 flushed before every call). Ratios compare providers of the
-same run only. Outputs in ``--out``: layers.csv, dequant.csv, layers_targets.csv, layers_*.png, dequant.png.
+Layer times are medians of ``triton.testing.do_bench`` (L2 flushed before every call). Ratios compare providers of
+the same run only. Outputs in ``--out``: layers.csv, dequant.csv, kernels.csv, layers_targets.csv, layers_train.png,
+layers_decode.png, dequant.png, profile_*.txt.
 
-GPU:   python benchmarks/bench_layers.py --out benchmarks/results
+GPU:   python benchmarks/bench_layers.py
 CI:    python benchmarks/bench_layers.py --device cpu --tiny --out /tmp/x
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import statistics
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Optional
 
 import _common as C
 import torch
-from torch import nn
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]  # (in_features K, out_features N) of Llama-3-8B
 TINY_SHAPES = [(64, 96), (128, 64)]  # bnb's CPU 4-bit matmul needs in_features % 64 == 0
@@ -37,166 +48,30 @@ MS = [1, 16, 512, 2048, 8192]
 QUICK_MS = [1, 16, 2048]
 TINY_MS = [1, 16]
 DECODE_MS = (1, 16)
-RANK = 16
-
-# provider -> (quantization, tuner); quantization None means a bf16 nn.Linear.
-PROVIDERS = {
-    "bf16-lora": (None, "peft"),
-    "peft-bnb-nf4": ("nf4", "peft"),
-    "peft-bnb-nf4-dq": ("nf4-dq", "peft"),
-    "peft-bnb-int8": ("int8", "peft"),
-    "fastlora-nf4": ("nf4", "fastlora"),
-    "fastlora-nf4-dq": ("nf4-dq", "fastlora"),
-    "fastlora-int8": ("int8", "fastlora"),
-}
+SECTIONS = ("layers", "dequant", "kernels", "profile")
+RANK, PROVIDERS, PEFT_TWIN = C.RANK, C.PROVIDERS, C.PEFT_TWIN
 COLORS = {p: f"C{i}" for i, p in enumerate(PROVIDERS)}
 FASTLORA = [p for p, (_, tuner) in PROVIDERS.items() if tuner == "fastlora"]
-PEFT_TWIN = {"fastlora-nf4": "peft-bnb-nf4", "fastlora-nf4-dq": "peft-bnb-nf4-dq", "fastlora-int8": "peft-bnb-int8"}
 
 LAYER_COLUMNS = [
     "shape", "K", "N", "mode", "M", "provider", "layer", "adapter_dtype", "time_ms", "graph_ms", "ratio_to_bf16",
     "graph_ratio_to_bf16", "speedup_vs_peft_bnb", "graph_speedup_vs_peft_bnb", "tflops", "weight_MB", "weight_GBps",
     "pct_hbm", "peak_extra_MiB", "status", "error",
 ]  # fmt: skip
+# GBps: (weight bytes + output bytes for a dequant) / time; pct_hbm: of the measured copy bandwidth
+KERNEL_COLUMNS = [
+    "shape", "K", "N", "op", "M", "out_dtype", "impl", "us", "weight_MB", "GBps", "pct_hbm", "speedup_vs_bnb",
+    "tiling", "copies", "status", "error",
+]  # fmt: skip
+# kernels section: impl -> the bitsandbytes impl it is compared with
+KERNEL_TWIN = {"fastlora": "peft-bnb", "fastlora-base": "bnb-base", "fastlora-dequant": "bnb-dequant"}
 DEQUANT_COLUMNS = [
     "shape", "K", "N", "variant", "impl", "time_ms", "read_MB", "write_MB", "GBps", "pct_copy", "speedup_vs_bnb",
     "status", "error",
 ]  # fmt: skip
 
 
-def shape_name(k: int, n: int) -> str:
-    return f"{k}->{n}"
-
-
-def parse_shapes(value: Optional[str]) -> Optional[list[tuple[int, int]]]:
-    if value is None:
-        return None
-    shapes = []
-    for item in C.parse_csv_arg(value):
-        parts = item.replace("->", "x").split("x")
-        if len(parts) != 2 or not all(p.isdigit() for p in parts):
-            raise SystemExit(f"--shapes: expected IN x OUT items like '4096x14336', got {item!r}")
-        shapes.append((int(parts[0]), int(parts[1])))
-    return shapes
-
-
-# ---- building one layer --------------------------------------------------------------------------------------------
-
-
-class OneLinear(nn.Module):
-    """A model holding one linear layer ``proj``; ``dtype`` mirrors a transformers model loaded in bf16."""
-
-    def __init__(self, linear: nn.Module):
-        super().__init__()
-        self.proj = linear
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.bfloat16
-
-    def forward(self, x):
-        return self.proj(x)
-
-
-def make_base_layer(weight: torch.Tensor, quant: Optional[str], device: torch.device, int8_threshold: float):
-    """A bias-free linear layer holding ``weight`` (N, K): bf16 ``nn.Linear`` or bnb-quantized on ``device``."""
-    n, k = weight.shape
-    if quant is None:
-        linear = nn.Linear(k, n, bias=False, device="meta", dtype=torch.bfloat16)
-        linear.weight = nn.Parameter(weight.to(device, torch.bfloat16), requires_grad=False)
-        return linear
-    import bitsandbytes as bnb
-
-    if quant in ("nf4", "nf4-dq"):
-        nested = quant == "nf4-dq"
-        linear = bnb.nn.Linear4bit(k, n, bias=False, compute_dtype=torch.bfloat16, compress_statistics=nested,
-                                   quant_type="nf4", quant_storage=torch.uint8, device="meta")  # fmt: skip
-        linear.weight = bnb.nn.Params4bit(weight.to(device, torch.bfloat16), requires_grad=False, blocksize=64,
-                                          compress_statistics=nested, quant_type="nf4", module=linear)  # fmt: skip
-        return linear.to(device)  # bitsandbytes quantizes on .to(device)
-    if quant == "int8":
-        linear = bnb.nn.Linear8bitLt(k, n, bias=False, has_fp16_weights=False, threshold=int8_threshold,
-                                     device="meta")  # fmt: skip
-        # Int8Params quantizes only when it moves from the CPU.
-        linear.weight = bnb.nn.Int8Params(weight.to("cpu", torch.float16), requires_grad=False, has_fp16_weights=False)
-        return linear.to(device)
-    raise ValueError(f"unknown quantization {quant!r}")
-
-
-def quantized_bytes(container) -> int:
-    """Bytes a kernel must read for a quantized weight: codes + scales (+ the small lookup tables)."""
-    from peft_fastlora.ops import Int8Rowwise
-
-    if isinstance(container, Int8Rowwise):
-        tensors = [container.cb, container.scb]
-    else:
-        tensors = [container.data, container.absmax, container.code, container.nested_absmax, container.nested_code]
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def weight_bytes(base: nn.Module, quant: Optional[str]) -> int:
-    """Bytes of the base weight as stored; call before the first forward (bnb int8 moves CB/SCB on forward)."""
-    from peft_fastlora.bnb_weights import int8_from_bnb, packed4bit_from_bnb
-
-    if quant is None:
-        return base.weight.numel() * base.weight.element_size()
-    if quant == "int8":
-        return quantized_bytes(int8_from_bnb(base.weight))
-    return quantized_bytes(packed4bit_from_bnb(base.weight.data, base.weight.quant_state))
-
-
-def make_provider_layer(provider: str, weight: torch.Tensor, device: torch.device, args) -> tuple[nn.Module, int]:
-    """The LoRA-wrapped layer of ``provider`` (called directly, without PeftModel's wrappers) and its weight bytes."""
-    from peft import LoraConfig, get_peft_model
-
-    import peft_fastlora
-
-    quant, tuner = PROVIDERS[provider]
-    base = make_base_layer(weight, quant, device, args.int8_threshold)
-    nbytes = weight_bytes(base, quant)
-    common = dict(r=RANK, lora_alpha=2 * RANK, target_modules=["proj"], lora_dropout=0.0, init_lora_weights=False)
-    peft_default = args.adapter_dtype == "peft-default"
-    if tuner == "fastlora":
-        config = peft_fastlora.FastLoraConfig(**common, **({} if peft_default else {"adapter_dtype": "bf16"}))
-        model = get_peft_model(OneLinear(base), config)
-    else:
-        model = get_peft_model(OneLinear(base), LoraConfig(**common), autocast_adapter_dtype=peft_default)
-        if not peft_default:  # bf16 adapters everywhere, so the comparison is of the kernels, not of adapter dtypes
-            for param in model.parameters():
-                if param.requires_grad:
-                    param.data = param.data.to(torch.bfloat16)
-    layer = model.base_model.model.proj
-    if tuner == "fastlora" and not type(layer).__name__.startswith("FastLora"):
-        raise RuntimeError(f"FastLoraConfig did not dispatch to a FastLoRA layer (got {type(layer).__name__})")
-    return layer, nbytes
-
-
-# ---- measuring -----------------------------------------------------------------------------------------------------
-
-
-def lora_params(layer) -> list[torch.Tensor]:
-    return [layer.lora_A["default"].weight, layer.lora_B["default"].weight]
-
-
-def make_fn(layer, mode: str, m: int, k: int, n: int, device: torch.device):
-    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    if mode == "infer":
-        layer.eval()
-
-        def infer():
-            with torch.no_grad():
-                return layer(x)
-
-        return infer
-    layer.train()
-    x.requires_grad_(True)
-    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
-    inputs = [x, *lora_params(layer)]
-
-    def train():  # autograd.grad (not .backward) so nothing accumulates between calls
-        return torch.autograd.grad(layer(x), inputs, dy)
-
-    return train
+# ---- layers -----------------------------------------------------------------------------------------------------
 
 
 def peak_extra_mib(fn, device: torch.device) -> Optional[float]:
@@ -218,6 +93,8 @@ class LayerBench:
         self.dq_rows: list[dict] = []
         self.log = C.CsvLog(out / "layers.csv", LAYER_COLUMNS, env)
         self.dq_log = C.CsvLog(out / "dequant.csv", DEQUANT_COLUMNS, env)
+        self.k_rows: list[dict] = []
+        self.k_log = C.CsvLog(out / "kernels.csv", KERNEL_COLUMNS, env) if "kernels" in args.sections else None
         self.deadline = C.Deadline(args.budget_s)
         self.broken = False  # set if the CUDA context stops working; the rest is recorded as skipped
 
@@ -243,14 +120,15 @@ class LayerBench:
 
     def run_group(self, k: int, n: int, provider: str, cases: list[tuple[str, int]], weight: torch.Tensor,
                   counter: list[int], total: int) -> None:
-        base_row = dict(shape=shape_name(k, n), K=k, N=n, provider=provider)
+        base_row = dict(shape=C.shape_name(k, n), K=k, N=n, provider=provider)
         skip_reason = "skipped: time budget (--budget-s) used up" if self.deadline.expired() else None
         if self.broken:
             skip_reason = "skipped: CUDA context broken by an earlier failure"
         layer = nbytes = None
         if skip_reason is None:
             try:
-                layer, nbytes = make_provider_layer(provider, weight, self.device, self.args)
+                layer, nbytes = C.make_provider_layer(provider, weight, self.device, self.args.int8_threshold,
+                                                      self.args.adapter_dtype)
             except Exception as err:
                 skip_reason = "error: build: " + C.short_error(err)
                 if self.args.verbose:
@@ -267,10 +145,10 @@ class LayerBench:
                 continue
             layer_cls = type(layer)
             row.update(layer=f"{layer_cls.__module__.rsplit('.', 1)[-1]}.{layer_cls.__name__}", weight_MB=nbytes / 1e6,
-                       adapter_dtype=str(lora_params(layer)[0].dtype).replace("torch.", ""))  # fmt: skip
+                       adapter_dtype=str(C.lora_params(layer)[0].dtype).replace("torch.", ""))  # fmt: skip
             fn = None
             try:
-                fn = make_fn(layer, mode, m, k, n, self.device)
+                fn = C.make_fn(layer, mode, m, k, n, self.device)
                 time_ms, graph_ms, note = self.time_layer(fn, mode, m, provider)
                 flops = (2 if mode == "infer" else 4) * m * n * k  # base matmul(s); backward computes dx, no dW
                 row.update(time_ms=time_ms, graph_ms=graph_ms, tflops=flops / (time_ms * 1e-3) / 1e12,
@@ -302,14 +180,12 @@ class LayerBench:
 
     # -- dequant --
     def run_dequant_shape(self, k: int, n: int) -> None:
-        import bitsandbytes as bnb
         import bitsandbytes.functional as F
 
         from peft_fastlora import ops
-        from peft_fastlora.bnb_weights import int8_from_bnb, packed4bit_from_bnb
 
         a, dev = self.args, self.device
-        base_row = dict(shape=shape_name(k, n), K=k, N=n)
+        base_row = dict(shape=C.shape_name(k, n), K=k, N=n)
         write = n * k * 2  # bf16 output
         weight = (torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02).contiguous()
 
@@ -336,14 +212,10 @@ class LayerBench:
         for variant in ("nf4", "nf4-dq", "int8"):
             try:
                 if variant == "int8":
-                    param = bnb.nn.Int8Params(weight.to("cpu", torch.float16), requires_grad=False,
-                                              has_fp16_weights=False).to(dev)  # fmt: skip
-                    container = int8_from_bnb(param)
+                    container, _ = C.quantize_int8(weight)
                     bnb_fn = lambda c=container: F.int8_vectorwise_dequant(c.cb, c.scb).to(torch.bfloat16)  # noqa: E731
                 else:
-                    q, state = F.quantize_4bit(weight, blocksize=64, quant_type="nf4",
-                                               compress_statistics=variant == "nf4-dq", quant_storage=torch.uint8)
-                    container = packed4bit_from_bnb(q, state)
+                    container, q, state = C.quantize_nf4(weight, nested=variant == "nf4-dq")
                     bnb_fn = lambda q=q, s=state: F.dequantize_4bit(q, s)  # noqa: E731
             except Exception as err:
                 for impl in ("fastlora", "bnb"):
@@ -352,36 +224,165 @@ class LayerBench:
                     self.dq_rows.append(row)
                     self.dq_log.append(row)
                 continue
-            read = quantized_bytes(container)
+            read = C.weight_bytes(container)
             add(variant, "fastlora", read, lambda c=container: (lambda: ops.dequantize(c, torch.bfloat16)))
             add(variant, "bnb", read, lambda f=bnb_fn: f)
         C.free_memory(dev)
 
 
+    # -- kernels: the ops, graph-captured over weight copies beyond the L2 --
+    def time_calls_us(self, calls) -> float:
+        if self.device.type == "cuda":
+            return C.graph_time_us(calls, reps=self.args.graph_reps)
+        for call in calls:  # CPU (smoke runs): wall time of the same calls, no graph
+            call()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            for call in calls:
+                call()
+            times.append((time.perf_counter() - start) * 1e6 / len(calls))
+        return statistics.median(times)
+
+    def run_kernels_shape(self, k: int, n: int, ms: list[int]) -> None:
+        import bitsandbytes as bnb
+        import bitsandbytes.functional as F
+
+        from peft_fastlora.ops import dequantize, fastlora_linear
+
+        dev, r, scaling = self.device, RANK, 2.0
+        base_row = dict(shape=C.shape_name(k, n), K=k, N=n)
+
+        def weight():
+            return (torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5).contiguous()
+
+        try:
+            first = C.quantize_nf4(weight())
+            nbytes = C.weight_bytes(first[0])
+            count = C.copies_for(nbytes, self.args.l2_mb) if dev.type == "cuda" else 2
+            copies = [first] + [C.quantize_nf4(weight()) for _ in range(count - 1)]
+        except Exception as err:
+            self.add_kernel_row(dict(base_row, op="quantize", status="error", error=C.short_error(err)))
+            return
+        a = torch.randn(r, k, device=dev, dtype=torch.bfloat16) / k**0.5
+        b = torch.randn(n, r, device=dev, dtype=torch.bfloat16) / r**0.5
+        bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
+
+        for out_dtype in (torch.bfloat16, torch.float32):
+            dtype_name = str(out_dtype).replace("torch.", "")
+            out_bytes = n * k * out_dtype.itemsize
+
+            # bnb dequantizes to its quant state's dtype: a shallow copy of each state asks for out_dtype directly
+            states = {id(c): copy.copy(c[2]) for c in copies}
+            for state in states.values():
+                state.dtype = out_dtype
+
+            def bnb_dequant(c, states=states):
+                return F.dequantize_4bit(c[1], states[id(c)])
+
+            # baselines first, so that each FastLoRA row's speedup is known when it is printed
+            cases = {"bnb-dequant": bnb_dequant,
+                     "fastlora-dequant": lambda c, dtype=out_dtype: dequantize(c[0], dtype)}  # fmt: skip
+            for impl, op in cases.items():
+                row = dict(base_row, op="dequant", out_dtype=dtype_name, impl=impl, copies=len(copies))
+                self.time_kernel(row, [lambda c=c, op=op: op(c) for c in copies], nbytes + out_bytes)
+                row["weight_MB"] = nbytes / 1e6
+        for m in [m for m in ms if m in DECODE_MS]:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16) / k**0.5
+
+            def peft_bnb(c, lora, x=x):
+                y = bnb.matmul_4bit(x, c[1].t(), quant_state=c[2], bias=bias)
+                return y + torch.nn.functional.linear(torch.nn.functional.linear(x, a), b) * scaling if lora else y
+
+            cases = {
+                "peft-bnb": lambda c: peft_bnb(c, True),
+                "bnb-base": lambda c: peft_bnb(c, False),
+                "fastlora": lambda c, x=x: fastlora_linear(x, c[0], bias, a, b, scaling),
+                "fastlora-base": lambda c, x=x: fastlora_linear(x, c[0], bias, None, None, 1.0),
+            }
+            tiling = None
+            if dev.type == "cuda":
+                tiling = str(C.internals().pick_small_m_config(m, n, k, dev, "nf4"))
+            for impl, op in cases.items():
+                row = dict(base_row, op="forward", M=m, out_dtype="bfloat16", impl=impl, copies=len(copies),
+                           tiling=tiling if impl.startswith("fastlora") else None)  # fmt: skip
+                with torch.inference_mode():
+                    self.time_kernel(row, [lambda c=c, op=op: op(c) for c in copies], nbytes)
+            del x
+        del copies
+        C.free_memory(dev)
+
+    def time_kernel(self, row: dict, calls, traffic: int) -> None:
+        """Times ``calls``; GB/s counts ``traffic`` bytes per call (weight read, plus the output for a dequant)."""
+        row["weight_MB"] = traffic / 1e6
+        if self.broken:
+            row.update(status="skipped", error="skipped: CUDA context broken by an earlier failure")
+        else:
+            try:
+                us = self.time_calls_us(calls)
+                row.update(us=us, GBps=traffic / (us * 1e-6) / 1e9, status="ok")
+                row["pct_hbm"] = None if not self.hbm else 100 * row["GBps"] / self.hbm
+            except Exception as err:
+                row.update(status="oom" if C.is_oom(err) else "error", error=C.short_error(err))
+                if self.args.verbose:
+                    traceback.print_exc()
+                self.broken = not C.cuda_healthy(self.device)
+        self.add_kernel_row(row)
+
+    def add_kernel_row(self, row: dict) -> None:
+        twin = C.find_row(self.k_rows, shape=row["shape"], op=row.get("op"), M=row.get("M"),
+                          out_dtype=row.get("out_dtype"), impl=KERNEL_TWIN.get(row.get("impl")))  # fmt: skip
+        row["speedup_vs_bnb"] = C.ratio(twin and twin["us"], row.get("us"))
+        self.k_rows.append(row)
+        self.k_log.append(row)
+        print(f"  kernels {row['shape']:12s} {row.get('op', ''):8s} M={C.fmt(row.get('M')):>3} "
+              f"{C.fmt(row.get('out_dtype')):9s} {C.fmt(row.get('impl')):17s} {C.fmt(row.get('us'), 4):>8} us  "
+              f"{C.fmt(row.get('GBps'), 4):>7} GB/s  {row.get('error') or ''}", flush=True)  # fmt: skip
+
+    # -- profile --
+    def run_profile(self, k: int, n: int, provider: str, m: int, weight: torch.Tensor) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        a = self.args
+        name = f"profile_{provider}_{k}x{n}_M{m}_train.txt"
+        try:
+            layer, _ = C.make_provider_layer(provider, weight, self.device, a.int8_threshold, a.adapter_dtype)
+            fn = C.make_fn(layer, "train", m, k, n, self.device)
+            for _ in range(3):
+                fn()
+            C.sync(self.device)
+            cuda = self.device.type == "cuda"
+            activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+            with profile(activities=activities) as prof:
+                for _ in range(a.profile_steps):
+                    fn()
+                C.sync(self.device)
+            table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
+                                              row_limit=20, max_name_column_width=70)  # fmt: skip
+            title = f"{provider} K={k} N={n} M={m} r={RANK}: {a.profile_steps} training calls (forward + backward)"
+            header = "".join(f"# {line}\n" for line in C.header_lines(self.env))
+            (self.out / name).write_text(f"{header}{title}\n{table}\n")
+            print(f"  profile {title} -> {self.out / name}", flush=True)
+        except Exception as err:
+            print(f"  profile {provider} {k}x{n} M={m} failed: {C.short_error(err)}", flush=True)
+            if a.verbose:
+                traceback.print_exc()
+        C.free_memory(self.device)
+
+
 # ---- derived columns (ratios within this run) ----------------------------------------------------------------------
-
-
-def _find(rows: list[dict], **key) -> Optional[dict]:
-    for row in rows:
-        if row.get("status") == "ok" and all(row.get(k) == v for k, v in key.items()):
-            return row
-    return None
-
-
-def _ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
-    return None if num is None or den is None or den == 0 else num / den
 
 
 def derive_layer_row(row: dict, rows: list[dict], hbm_gbps: Optional[float]) -> None:
     if row.get("status") != "ok":
         return
     key = dict(shape=row["shape"], mode=row["mode"], M=row["M"])
-    bf16 = _find(rows, provider="bf16-lora", **key)
-    row["ratio_to_bf16"] = _ratio(row["time_ms"], bf16 and bf16["time_ms"])
-    row["graph_ratio_to_bf16"] = _ratio(row.get("graph_ms"), bf16 and bf16.get("graph_ms"))
-    twin = _find(rows, provider=PEFT_TWIN.get(row["provider"]), **key)
-    row["speedup_vs_peft_bnb"] = _ratio(twin and twin["time_ms"], row["time_ms"])
-    row["graph_speedup_vs_peft_bnb"] = _ratio(twin and twin.get("graph_ms"), row.get("graph_ms"))
+    bf16 = C.find_row(rows, provider="bf16-lora", **key)
+    row["ratio_to_bf16"] = C.ratio(row["time_ms"], bf16 and bf16["time_ms"])
+    row["graph_ratio_to_bf16"] = C.ratio(row.get("graph_ms"), bf16 and bf16.get("graph_ms"))
+    twin = C.find_row(rows, provider=PEFT_TWIN.get(row["provider"]), **key)
+    row["speedup_vs_peft_bnb"] = C.ratio(twin and twin["time_ms"], row["time_ms"])
+    row["graph_speedup_vs_peft_bnb"] = C.ratio(twin and twin.get("graph_ms"), row.get("graph_ms"))
     if row["mode"] == "infer" and row["M"] in DECODE_MS and row.get("weight_MB"):
         t = row.get("graph_ms") or row["time_ms"]  # graph replay when captured: launch overhead removed
         row["weight_GBps"] = row["weight_MB"] * 1e6 / (t * 1e-3) / 1e9
@@ -391,11 +392,11 @@ def derive_layer_row(row: dict, rows: list[dict], hbm_gbps: Optional[float]) -> 
 def derive_dequant_row(row: dict, rows: list[dict]) -> None:
     if row.get("status") != "ok":
         return
-    copy = _find(rows, shape=row["shape"], impl="copy")
+    copy = C.find_row(rows, shape=row["shape"], impl="copy")
     row["pct_copy"] = None if copy is None else 100 * row["GBps"] / copy["GBps"]
     if row["impl"] == "fastlora":
-        bnb_row = _find(rows, shape=row["shape"], variant=row["variant"], impl="bnb")
-        row["speedup_vs_bnb"] = _ratio(bnb_row and bnb_row["time_ms"], row["time_ms"])
+        bnb_row = C.find_row(rows, shape=row["shape"], variant=row["variant"], impl="bnb")
+        row["speedup_vs_bnb"] = C.ratio(bnb_row and bnb_row["time_ms"], row["time_ms"])
 
 
 def rederive(rows: list[dict], dq_rows: list[dict], hbm_gbps: Optional[float]) -> None:
@@ -414,7 +415,7 @@ def layer_targets(rows: list[dict], dq_rows: list[dict], shapes: list[str]) -> l
     checks = []
 
     def train(provider, shape, m):
-        return _find(rows, provider=provider, shape=shape, mode="train", M=m)
+        return C.find_row(rows, provider=provider, shape=shape, mode="train", M=m)
 
     for m, limit in ((2048, 1.10), (8192, 1.03)):
         for provider in ("fastlora-nf4", "fastlora-nf4-dq"):
@@ -438,13 +439,13 @@ def layer_targets(rows: list[dict], dq_rows: list[dict], shapes: list[str]) -> l
                                   row and row["ratio_to_bf16"], "<=", 1.15))
     for variant in ("nf4", "nf4-dq", "int8"):
         for shape in shapes:
-            row = _find(dq_rows, shape=shape, variant=variant, impl="fastlora")
+            row = C.find_row(dq_rows, shape=shape, variant=variant, impl="fastlora")
             checks.append(C.Check(f"dequant {variant} -> bf16: % of copy bandwidth", shape,
                                   row and row.get("pct_copy"), ">=", 85.0, "GB/s = (bytes read + written) / time"))
     for provider in FASTLORA:
         for m in DECODE_MS:
             for shape in shapes:
-                row = _find(rows, provider=provider, shape=shape, mode="infer", M=m)
+                row = C.find_row(rows, provider=provider, shape=shape, mode="infer", M=m)
                 graph = row is not None and row.get("graph_speedup_vs_peft_bnb") is not None
                 value = row and (row["graph_speedup_vs_peft_bnb"] if graph else row.get("speedup_vs_peft_bnb"))
                 checks.append(C.Check(f"decode M={m}: {PEFT_TWIN[provider]} time / {provider} time (>1 = faster)",
@@ -485,7 +486,7 @@ def plot_all(rows: list[dict], dq_rows: list[dict], shapes: list[str], out: Path
     if train_ms and providers:
         fig, axes = plt.subplots(1, len(train_ms), figsize=(6.5 * len(train_ms), 4.2), squeeze=False)
         for ax, m, limit in zip(axes[0], train_ms, [1.10 if m == 2048 else 1.03 for m in train_ms]):
-            series = {p: [(_find(rows, provider=p, shape=s, mode="train", M=m) or {}).get("ratio_to_bf16")
+            series = {p: [(C.find_row(rows, provider=p, shape=s, mode="train", M=m) or {}).get("ratio_to_bf16")
                           for s in shapes] for p in providers}  # fmt: skip
             C.grouped_bars(ax, shapes, series, "time / bf16-lora (lower is better)",
                            f"training fwd+bwd, M={m}, r={RANK}", [(1.0, "bf16-lora"), (limit, f"target {limit}")],
@@ -498,7 +499,7 @@ def plot_all(rows: list[dict], dq_rows: list[dict], shapes: list[str], out: Path
         for j, m in enumerate(dec_ms):
             t_series, bw_series = {}, {}
             for p in providers:
-                found = [_find(rows, provider=p, shape=s, mode="infer", M=m) or {} for s in shapes]
+                found = [C.find_row(rows, provider=p, shape=s, mode="infer", M=m) or {} for s in shapes]
                 t_series[p] = [None if not r else 1e3 * (r.get("graph_ms") or r["time_ms"]) for r in found]
                 bw_series[p] = [r.get("weight_GBps") for r in found]
             C.grouped_bars(axes[0][j], shapes, t_series, "us per call (CUDA graph replay when captured)",
@@ -519,7 +520,7 @@ def plot_all(rows: list[dict], dq_rows: list[dict], shapes: list[str], out: Path
         def gbps(shape, name):
             impl, _, variant = name.partition("-")
             key = dict(shape=shape, impl=impl) if impl == "copy" else dict(shape=shape, impl=impl, variant=variant)
-            return (_find(dq_rows, **key) or {}).get("GBps")
+            return (C.find_row(dq_rows, **key) or {}).get("GBps")
 
         C.grouped_bars(ax, shapes, {n: [gbps(s, n) for s in shapes] for n in names},
                        "GB/s (bytes read + written)", "dequantize -> bf16 vs device copy of the output size")
@@ -533,7 +534,7 @@ def finalize(bench_rows, dq_rows, shapes, out, env, hbm, log=None, dq_log=None) 
         ("csv", lambda: (log.rewrite(bench_rows), dq_log.rewrite(dq_rows)) if log else None),
         ("tables", lambda: print_tables(bench_rows, dq_rows, hbm)),
         ("targets", lambda: C.write_targets(layer_targets(bench_rows, dq_rows, shapes), out / "layers_targets.csv",
-                                            env, "== targets (kernels issue) ==")),
+                                            env, "== layer targets ==")),
         ("plots", lambda: plot_all(bench_rows, dq_rows, shapes, out, env, hbm)),
     ]
     C.run_finalize_steps(steps)
@@ -552,15 +553,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--m", help=f"comma-separated token counts M (default {MS})")
     p.add_argument("--providers", help=f"comma-separated subset of {list(PROVIDERS)}")
     p.add_argument("--modes", default="train,infer", help="train,infer")
-    p.add_argument("--sections", default="layers,dequant", help="layers,dequant")
+    p.add_argument("--sections", default="layers,dequant", help=f"comma-separated subset of {SECTIONS}")
     p.add_argument("--warmup", type=float, default=None, help="do_bench warmup ms (default 15; quick 8)")
     p.add_argument("--rep", type=float, default=None, help="do_bench repetition ms (default 50; quick 25)")
     p.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph timing of decode rows")
-    p.add_argument("--adapter-dtype", default="bf16", choices=["bf16", "peft-default"],
-                   help="bf16: every provider gets bf16 adapters (kernel comparison); peft-default: what "
-                        "get_peft_model gives (fp32 PEFT adapters, FastLoRA's adapter_dtype policy)")
+    p.add_argument("--adapter-dtype", default="bf16", choices=list(C.ADAPTER_DTYPES),
+                   help="bf16 / fp32: every provider gets adapters of that dtype (kernel comparison); peft-default: "
+                        "what get_peft_model gives (fp32 PEFT adapters, FastLoRA's adapter_dtype policy)")
     p.add_argument("--int8-threshold", type=float, default=6.0, help="bnb Linear8bitLt outlier threshold")
-    p.add_argument("--budget-s", type=float, default=None, help="soft time budget: later work is recorded as skipped")
+    p.add_argument("--l2-mb", type=float, default=50.0, help="kernels section: L2 size to overflow (H100/H200: 50 MB)")
+    p.add_argument("--graph-reps", type=int, default=20, help="kernels section: graph replays per timing")
+    p.add_argument("--profile-steps", type=int, default=10, help="profile section: training calls profiled")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="optional soft time budget (seconds): work that would start later is recorded as skipped")
     p.add_argument("--replot", action="store_true", help="only re-read the CSVs in --out and redo tables/targets/plots")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
     return p
@@ -570,17 +575,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    if args.replot:
-        rows, dq_rows = C.read_csv(out / "layers.csv"), C.read_csv(out / "dequant.csv")
-        env = C.read_csv_header(out / "layers.csv")
+    if args.replot:  # a run with only some sections has only some CSVs
+        rows, dq_rows = [C.read_csv(out / f) if (out / f).exists() else [] for f in ("layers.csv", "dequant.csv")]
+        env = C.read_csv_header(out / ("layers.csv" if (out / "layers.csv").exists() else "dequant.csv"))
         shapes = list(dict.fromkeys(r["shape"] for r in rows + dq_rows))
-        hbm = C._parse(env.get("hbm_copy_GBps", ""))
+        hbm = C.parse_cell(env.get("hbm_copy_GBps", ""))
         hbm = hbm if isinstance(hbm, (int, float)) else None
         finalize(rows, dq_rows, shapes, out, env, hbm)
         return 0
 
     device = C.pick_device(args.device)
-    shapes = parse_shapes(args.shapes) or (TINY_SHAPES if args.tiny else SHAPES)
+    shapes = C.parse_shapes(args.shapes) or (TINY_SHAPES if args.tiny else SHAPES)
     ms = [int(m) for m in C.parse_csv_arg(args.m)] if args.m else (TINY_MS if args.tiny else QUICK_MS if args.quick
                                                                        else MS)  # fmt: skip
     providers = C.parse_csv_arg(args.providers) or list(PROVIDERS)
@@ -590,6 +595,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     providers = [p for p in PROVIDERS if p in providers]  # bf16 first, PEFT before FastLoRA: live ratios work
     modes = C.parse_csv_arg(args.modes)
     sections = C.parse_csv_arg(args.sections)
+    if not set(sections) <= set(SECTIONS):
+        raise SystemExit(f"--sections: unknown {sorted(set(sections) - set(SECTIONS))}; choose from {SECTIONS}")
+    args.sections = sections
     args.warmup = args.warmup if args.warmup is not None else (8 if args.quick else 15)
     args.rep = args.rep if args.rep is not None else (25 if args.quick else 50)
     torch.manual_seed(0)
@@ -601,7 +609,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     C.setup_run()
     env = C.env_info(device)
-    env["run"] = (f"bench_layers shapes={[shape_name(*s) for s in shapes]} M={ms} modes={modes} providers={providers} "
+    env["run"] = (f"bench_layers shapes={[C.shape_name(*s) for s in shapes]} M={ms} modes={modes} "
+                  f"providers={providers} sections={sections} "
                   f"r={RANK} adapters={args.adapter_dtype} int8_threshold={args.int8_threshold} "
                   f"do_bench warmup={args.warmup}ms rep={args.rep}ms")  # fmt: skip
     hbm = None
@@ -632,10 +641,26 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print("\n-- dequant", flush=True)
                 for k, n in shapes:
                     bench.run_dequant_shape(k, n)
+            if i == 0 and "kernels" in sections:
+                print(f"\n-- kernels (one CUDA graph over weight copies beyond {args.l2_mb:g} MB of L2)", flush=True)
+                for k, n in shapes:
+                    bench.run_kernels_shape(k, n, ms)
+        if "profile" in sections:
+            print("\n-- profile (training calls)", flush=True)
+            for k, n in shapes:
+                weight = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+                for provider in providers:
+                    for m in ms:
+                        bench.run_profile(k, n, provider, m, weight)
+                del weight
     except KeyboardInterrupt:
         interrupted = True
         print("\n!! interrupted: writing what was measured so far", flush=True)
-    finalize(bench.rows, bench.dq_rows, [shape_name(*s) for s in shapes], out, env, hbm, bench.log, bench.dq_log)
+    finalize(bench.rows, bench.dq_rows, [C.shape_name(*s) for s in shapes], out, env, hbm, bench.log, bench.dq_log)
+    if bench.k_rows:
+        C.print_table(bench.k_rows, ["shape", "op", "M", "out_dtype", "impl", "us", "GBps", "pct_hbm",
+                                     "speedup_vs_bnb", "tiling", "status"],
+                      "== kernels: us per call, graph-captured over weight copies (speedup: bnb time / this) ==")
     print(f"\nbench_layers {'interrupted' if interrupted else 'done'} after {bench.deadline.elapsed():.0f} s; "
           f"results in {out}", flush=True)
     return 130 if interrupted else 0

@@ -1,12 +1,13 @@
 """Host (CPU) time per layer call: what the GPU waits on when the batch is small (decode, batch-1 training).
 
-    python benchmarks/host_overhead.py [--out DIR]
+    python benchmarks/host_overhead.py [--out benchmarks/results]
 
 For a small layer (default 512x512, so GPU work is a few microseconds and never the bottleneck) it times many calls
 queued back to back and divides the wall time by the number of calls: that is the host time per call. Providers as in
 bench_layers.py (bf16 LoRA, PEFT+bnb nf4/int8, FastLoRA nf4/int8), modes ``decode`` (M=1, no grad) and ``train``
 (M=16, forward + backward under bf16 autocast). Also times the building blocks (one ``torch.mm``, one cached Triton
-dequant launch, bitsandbytes' dequant) and prints a cProfile of FastLoRA's calls. Writes host_overhead.csv.
+dequant launch, bitsandbytes' dequant) and prints a cProfile of FastLoRA's calls. Host time depends on the CPU and
+its load: compare providers (or commits) measured in the same run only. Writes host_overhead.csv.
 """
 
 from __future__ import annotations
@@ -19,11 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+import _common as C
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
-import bench_layers as BL  # noqa: E402
 
 
 def host_us(fn, calls: int = 300, repeats: int = 5) -> float:
@@ -43,12 +41,12 @@ def host_us(fn, calls: int = 300, repeats: int = 5) -> float:
 
 def layer_fn(layer, mode: str, k: int, n: int, device: torch.device):
     if mode == "decode":
-        return BL.make_fn(layer, "infer", 1, k, n, device)  # one row, no grad
+        return C.make_fn(layer, "infer", 1, k, n, device)  # one row, no grad
     # Unlike bench_layers' train mode: 16 rows under bf16 autocast, as in a training step.
     layer.train()
     x = torch.randn(16, k, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(16, n, device=device, dtype=torch.bfloat16)
-    inputs = [x, *BL.lora_params(layer)]
+    inputs = [x, *C.lora_params(layer)]
 
     def train():
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -74,17 +72,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--k", type=int, default=512)
     parser.add_argument("--n", type=int, default=512)
-    parser.add_argument("--out", type=Path, default=Path("bench-out/host"))
-    parser.add_argument("--int8-threshold", type=float, default=0.0)
-    parser.add_argument("--adapter-dtype", default="bf16")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output directory")
+    parser.add_argument("--int8-threshold", type=float, default=0.0, help="bnb Linear8bitLt outlier threshold")
+    parser.add_argument("--adapter-dtype", default="bf16", choices=list(C.ADAPTER_DTYPES))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("host_overhead.py measures CUDA launch overhead: it needs a GPU.")
         return 2
     import bitsandbytes.functional as bnbF
 
-    from peft_fastlora.bnb_weights import packed4bit_from_bnb
-    from peft_fastlora.ops import _launch, dequantize
+    from peft_fastlora.ops import dequantize
 
     device = torch.device("cuda")
     env = C.env_info(device)
@@ -94,8 +91,7 @@ def main() -> int:
     rows = []
 
     a = torch.randn(64, 64, device=device, dtype=torch.bfloat16)
-    q, state = bnbF.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=True)
-    packed = packed4bit_from_bnb(q, state)
+    packed, q, state = C.quantize_nf4(weight)
     blocks = {
         "torch.mm 64x64": lambda: torch.mm(a, a),
         "FastLoRA dequant (cached launch)": lambda: dequantize(packed, torch.bfloat16),
@@ -103,12 +99,12 @@ def main() -> int:
     }
     for name, fn in blocks.items():
         rows.append({"what": name, "mode": "-", "host_us": host_us(fn)})
-    rows.append({"what": "launch cache entries", "mode": "-", "host_us": float(len(_launch._COMPILED))})
-    rows.append({"what": "launch hooks set", "mode": "-", "host_us": float(_launch._launch_hooks_set())})
+    rows.append({"what": "launch cache entries", "mode": "-", "host_us": float(C.internals().launch_cache_size())})
+    rows.append({"what": "launch hooks set", "mode": "-", "host_us": float(C.internals().launch_hooks_set())})
 
     profiles = {}
     for provider in ("bf16-lora", "peft-bnb-nf4", "fastlora-nf4", "peft-bnb-int8", "fastlora-int8"):
-        layer, _ = BL.make_provider_layer(provider, weight, device, args)
+        layer, _ = C.make_provider_layer(provider, weight, device, args.int8_threshold, args.adapter_dtype)
         for mode in ("decode", "train"):
             fn = layer_fn(layer, mode, k, n, device)
             rows.append({"what": provider, "mode": mode, "host_us": host_us(fn)})

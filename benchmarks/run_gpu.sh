@@ -1,39 +1,41 @@
 #!/usr/bin/env bash
-# The one command for the GPU box: runs bench_layers, then bench_train_step, into OUT_DIR.
+# Runs the benchmarks on this machine's GPU, one step after the other, into OUT_DIR (default benchmarks/results):
 #
-#   bash benchmarks/run_gpu.sh OUT_DIR [all|layers|train] [-- extra args passed to both scripts]
+#   bash benchmarks/run_gpu.sh [OUT_DIR] [STEP ...]
 #
-# Each step runs under `timeout` (SIGTERM: the script then writes tables/targets/plots of what it measured; SIGKILL
-# 30 s later) and gets a soft budget (--budget-s) a bit shorter, after which it records the remaining work as
-# skipped. A step that fails or times out does not stop the next one. Logs: OUT_DIR/<step>.log (also on stdout).
-# Defaults fit one 10-minute command for `all` (210 s + 330 s); a single step gets 540 s. Override with
-# LAYERS_TIMEOUT=... TRAIN_TIMEOUT=... (seconds), the interpreter with PYTHON=...; TRAIN_PROFILE= skips profiling.
+# Steps (default: layers train host):
+#   layers  benchmarks/bench_layers.py     one LoRA layer: training fwd+bwd, decode, dequantization
+#   train   benchmarks/bench_train_step.py training steps and generation of a Llama-3-8B-shaped model
+#   host    benchmarks/host_overhead.py    host (CPU) time per layer call
+#   tune    benchmarks/tune_small_m.py     small-M tilings and crossovers of this GPU -> OUT_DIR/tune/
+# Extra arguments per step: LAYERS_ARGS, TRAIN_ARGS, HOST_ARGS, TUNE_ARGS (e.g. TRAIN_ARGS="--steps 20").
+# PYTHON picks the interpreter. A step that fails does not stop the next one; the exit code is the number of failed
+# steps. Logs: OUT_DIR/<step>.log (also on stdout); OUT_DIR/env.txt records the GPU, driver and versions.
 set -u -o pipefail
 
 OUT="${1:-benchmarks/results}"
-WHAT="${2:-all}"
-shift $(( $# >= 2 ? 2 : $# ))
-[ "${1:-}" = "--" ] && shift
-EXTRA=("$@")
+[ $# -gt 0 ] && shift
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(layers train host)
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO" || exit 1
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's package, even where another is installed
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python}"
 
-case "$WHAT" in
-  all)    LAYERS_TIMEOUT="${LAYERS_TIMEOUT:-210}"; TRAIN_TIMEOUT="${TRAIN_TIMEOUT:-330}" ;;
-  layers) LAYERS_TIMEOUT="${LAYERS_TIMEOUT:-540}"; TRAIN_TIMEOUT=0 ;;
-  train)  LAYERS_TIMEOUT=0; TRAIN_TIMEOUT="${TRAIN_TIMEOUT:-540}" ;;
-  *) echo "usage: $0 OUT_DIR [all|layers|train] [-- extra args]" >&2; exit 2 ;;
-esac
+for step in "${STEPS[@]}"; do
+  case "$step" in
+    layers|train|host|tune) ;;
+    *) echo "usage: $0 [OUT_DIR] [layers|train|host|tune ...]; unknown step '$step'" >&2; exit 2 ;;
+  esac
+done
 
 {
   echo "# date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
-  echo "# command: $0 $OUT $WHAT ${EXTRA[*]:-}"
+  echo "# command: $0 $OUT ${STEPS[*]}"
   echo "# git: $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo 'no commit')"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>&1 || true
   "$PY" - <<'PYEOF' 2>&1 || true
@@ -49,31 +51,27 @@ PYEOF
 } > "$OUT/env.txt"
 cat "$OUT/env.txt"
 
-# run_step NAME TIMEOUT_S SCRIPT ARGS...: never fails, so the next step always runs.
+failed=0
+# run_step NAME COMMAND...: logs to OUT/NAME.log; never stops the loop.
 run_step() {
-  local name="$1" limit="$2" script="$3"; shift 3
-  local budget=$(( limit * 85 / 100 - 20 ))
+  local name="$1"; shift
   local start=$SECONDS
-  echo "=== [$name] $(date -u +%H:%M:%S) timeout ${limit}s, budget ${budget}s: $PY $script $*" | tee "$OUT/$name.log"
-  timeout --signal=TERM --kill-after=30 "$limit" "$PY" "$script" --out "$OUT" --budget-s "$budget" "$@" 2>&1 \
-    | tee -a "$OUT/$name.log"
+  echo "=== [$name] $(date -u +%H:%M:%S): $*" | tee "$OUT/$name.log"
+  "$@" 2>&1 | tee -a "$OUT/$name.log"
   local rc=${PIPESTATUS[0]}
-  echo; echo "=== [$name] exit code $rc after $(( SECONDS - start ))s" | tee -a "$OUT/$name.log"
-  if [ "$rc" -eq 124 ]; then
-    echo "=== [$name] timed out; it wrote tables/targets/plots of the rows it measured" | tee -a "$OUT/$name.log"
-  elif [ "$rc" -eq 137 ]; then
-    echo "=== [$name] killed: the CSVs hold every row measured; redoing tables/targets/plots" | tee -a "$OUT/$name.log"
-    timeout 60 "$PY" "$script" --out "$OUT" --replot 2>&1 | tee -a "$OUT/$name.replot.log" || true
-  fi
-  return 0
+  echo "=== [$name] exit code $rc after $(( SECONDS - start )) s" | tee -a "$OUT/$name.log"
+  [ "$rc" -eq 0 ] || failed=$(( failed + 1 ))
 }
 
-if [ "$LAYERS_TIMEOUT" -gt 0 ]; then
-  run_step layers "$LAYERS_TIMEOUT" benchmarks/bench_layers.py "${EXTRA[@]}"
-fi
-if [ "$TRAIN_TIMEOUT" -gt 0 ]; then
-  PROFILE="${TRAIN_PROFILE-fastlora-nf4,fastlora-int8}"  # TRAIN_PROFILE= (empty) skips the torch.profiler runs
-  run_step train_step "$TRAIN_TIMEOUT" benchmarks/bench_train_step.py ${PROFILE:+--profile "$PROFILE"} "${EXTRA[@]}"
-fi
-echo "=== done; results in $OUT:"
+for step in "${STEPS[@]}"; do
+  case "$step" in
+    # shellcheck disable=SC2086  # *_ARGS are word-split on purpose
+    layers) run_step layers "$PY" benchmarks/bench_layers.py --out "$OUT" ${LAYERS_ARGS:-} ;;
+    train)  run_step train_step "$PY" benchmarks/bench_train_step.py --out "$OUT" ${TRAIN_ARGS:-} ;;
+    host)   run_step host "$PY" benchmarks/host_overhead.py --out "$OUT" ${HOST_ARGS:-} ;;
+    tune)   run_step tune "$PY" benchmarks/tune_small_m.py --out "$OUT/tune" ${TUNE_ARGS:-} ;;
+  esac
+done
+echo "=== done ($failed failed); results in $OUT:"
 ls -la "$OUT"
+exit "$failed"

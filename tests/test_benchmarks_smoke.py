@@ -1,10 +1,11 @@
 """Smoke tests of the benchmark scripts: tiny shapes on the CPU, same code path as the GPU run.
 
-Each script runs end to end in a subprocess (as the lead runs it on the GPU box) and must write its CSVs, with the
-environment header and the expected columns, and its PNGs. A provider that fails must become an error row.
+Each script runs end to end in a subprocess (as a user runs it) and must write its CSVs, with the environment header
+and the expected columns, and its PNGs. A provider that fails must become an error row.
 """
 
 import csv
+import os
 import subprocess
 import sys
 import textwrap
@@ -19,8 +20,20 @@ HEADER_KEYS = ("gpu", "torch", "triton", "transformers", "peft", "bitsandbytes",
 TIMEOUT_S = 240  # generous for a loaded 2-core CI box; a normal run takes ~10 s
 
 
+def _env() -> dict[str, str]:
+    """The scripts import the package they measure: this checkout's, as ``benchmarks/run_gpu.sh`` arranges."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+
+
+def _bench_module(name: str):
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return __import__(name)
+
+
 def run_python(args: list[str], out: Path) -> str:
-    proc = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env=_env())  # fmt: skip
     log = proc.stdout + proc.stderr
     (out / "log.txt").write_text(log)
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{log[-4000:]}"
@@ -83,6 +96,35 @@ def test_bench_layers_tiny_cpu(tmp_path):
     (tmp_path / "dequant.png").unlink()
     run_python(["benchmarks/bench_layers.py", "--replot", "--out", str(tmp_path)], tmp_path)
     check_png(tmp_path / "dequant.png")
+
+
+def test_bench_layers_kernels_and_profile_sections_tiny_cpu(tmp_path):
+    """The op-level timings and the torch.profiler tables, with fp32 adapters; --replot copes with a missing CSV."""
+    args = ["benchmarks/bench_layers.py", "--device", "cpu", "--tiny", "--shapes", "128x64", "--m", "1",
+            "--sections", "kernels,profile", "--providers", "bf16-lora,fastlora-nf4", "--adapter-dtype", "fp32",
+            "--profile-steps", "2", "--out", str(tmp_path)]  # fmt: skip
+    log = run_python(args, tmp_path)
+    assert "bench_layers done" in log, log[-3000:]
+
+    header, columns, rows = read(tmp_path / "kernels.csv")
+    check_header(header)
+    assert {"op", "M", "out_dtype", "impl", "us", "GBps", "speedup_vs_bnb", "status"} <= set(columns)
+    cases = {(r["op"], r["impl"], r["out_dtype"], r["M"]) for r in rows}
+    assert cases == {("dequant", impl, dtype, "") for impl in ("fastlora-dequant", "bnb-dequant")
+                     for dtype in ("bfloat16", "float32")} | {
+        ("forward", impl, "bfloat16", "1") for impl in ("fastlora", "fastlora-base", "peft-bnb", "bnb-base")}
+    assert all(r["status"] == "ok" and float(r["us"]) > 0 and float(r["GBps"]) > 0 for r in rows), rows
+    fast = [r for r in rows if r["impl"].startswith("fastlora")]
+    assert all(float(r["speedup_vs_bnb"]) > 0 for r in fast)
+
+    for provider in ("bf16-lora", "fastlora-nf4"):
+        text = (tmp_path / f"profile_{provider}_128x64_M1_train.txt").read_text()
+        assert text.startswith("# gpu: ") and "aten::" in text and "2 training calls" in text
+    _, _, layer_rows = read(tmp_path / "layers.csv")
+    assert layer_rows == [], "the layers section was not asked for"
+
+    (tmp_path / "dequant.csv").unlink()
+    run_python(["benchmarks/bench_layers.py", "--replot", "--out", str(tmp_path)], tmp_path)
 
 
 GEN_REPEATS = 4  # not the default (5), so that the test sees the flag reach the rows; even: median of two middles
@@ -152,11 +194,7 @@ def test_bench_train_step_tiny_cpu(tmp_path):
 
 
 def _bench_train_step():
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    import bench_train_step
-
-    return bench_train_step
+    return _bench_module("bench_train_step")
 
 
 def test_generation_round_order_rotates():
@@ -208,13 +246,13 @@ FAILING_PROVIDERS = textwrap.dedent(
     """
     import sys
     sys.path.insert(0, "benchmarks")
-    import bench_layers, bench_train_step
+    import _common, bench_layers, bench_train_step
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected failure")
 
-    real_layer = bench_layers.make_provider_layer
-    bench_layers.make_provider_layer = lambda p, *a: broken() if p == "peft-bnb-int8" else real_layer(p, *a)
+    real_layer = _common.make_provider_layer
+    _common.make_provider_layer = lambda p, *a, **k: broken() if p == "peft-bnb-int8" else real_layer(p, *a, **k)
     bench_layers.main(["--device", "cpu", "--tiny", "--out", sys.argv[1] + "/layers", "--modes", "infer",
                        "--m", "1", "--sections", "layers", "--providers", "bf16-lora,peft-bnb-int8,fastlora-int8"])
 
@@ -289,7 +327,46 @@ def test_gpu_only_scripts_explain_themselves_on_cpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: host_overhead.py would run for real (run it as a benchmark)")
     proc = subprocess.run([sys.executable, "benchmarks/host_overhead.py", "--out", str(tmp_path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+                          capture_output=True, text=True, timeout=TIMEOUT_S, env=_env())  # fmt: skip
     assert proc.returncode == 2 and "needs a GPU" in proc.stdout, proc.stdout + proc.stderr
-    for script in ("run_tuning_gpu.sh", "run_gpu.sh", "run_distributed_gpu.sh"):
-        assert subprocess.run(["bash", "-n", str(BENCH / script)]).returncode == 0, f"{script} has a syntax error"
+
+
+def test_run_gpu_sh_syntax_and_usage(tmp_path):
+    """The driver parses, and rejects an unknown step before running anything."""
+    assert subprocess.run(["bash", "-n", str(BENCH / "run_gpu.sh")]).returncode == 0
+    proc = subprocess.run(["bash", str(BENCH / "run_gpu.sh"), str(tmp_path), "layers", "nonsense"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and "unknown step 'nonsense'" in proc.stderr, proc.stdout + proc.stderr
+    assert not (tmp_path / "layers.log").exists()
+
+
+def test_readme_names_every_script():
+    """benchmarks/README.md documents each script a user runs."""
+    readme = (BENCH / "README.md").read_text()
+    scripts = [p.name for p in BENCH.glob("*.py") if not p.name.startswith("_")] + ["run_gpu.sh"]
+    missing = [name for name in scripts if name not in readme]
+    assert not missing, f"benchmarks/README.md does not mention {missing}"
+
+
+def test_common_row_helpers():
+    C = _bench_module("_common")
+    rows = [dict(provider="a", M=1, status="error"), dict(provider="a", M=1, status="ok", t=2.0),
+            dict(provider="b", M=1, status="ok", t=4.0)]  # fmt: skip
+    assert C.find_row(rows, provider="a", M=1) is rows[1], "error rows are never a baseline"
+    assert C.find_row(rows, provider="c") is None
+    assert C.ratio(4.0, 2.0) == 2.0 and C.ratio(None, 2.0) is None and C.ratio(1.0, 0) is None
+    assert C.parse_shapes("4096x14336, 14336->4096") == [(4096, 14336), (14336, 4096)]
+    assert C.parse_shapes(None) is None
+    with pytest.raises(SystemExit, match="--shapes: expected IN x OUT items like '4096x14336', got '4096'"):
+        C.parse_shapes("4096")
+    assert C.cdiv(7, 2) == 4 and C.cdiv(8, 2) == 4 and C.copies_for(50 * 2**20, 50.0) == 3
+
+
+def test_weight_bytes_counts_what_the_kernels_read():
+    C = _bench_module("_common")
+    weight = torch.randn(96, 64, dtype=torch.bfloat16)
+    assert C.weight_bytes(weight) == 96 * 64 * 2
+    packed, _, _ = C.quantize_nf4(weight, nested=False)
+    assert C.weight_bytes(packed) == 96 * 64 // 2 + (96 * 64 // 64) * 4 + 16 * 4  # codes, fp32 absmax, NF4 table
+    int8, _ = C.quantize_int8(weight)
+    assert C.weight_bytes(int8) == 96 * 64 + 96 * 4  # int8 codes, fp32 row scales
