@@ -36,6 +36,8 @@ def wrap(model, tuner: str):
     common = dict(r=RANK, lora_alpha=2 * RANK, target_modules="all-linear", task_type="CAUSAL_LM")
     config = peft_fastlora.FastLoraConfig(**common) if tuner == "fastlora" else LoraConfig(**common)
     model = get_peft_model(model, config)
+    with torch.no_grad():  # wide logit margins: random weights make near-ties that flip greedy tokens on rounding
+        model.get_base_model().get_output_embeddings().weight.mul_(20)
     for name, param in model.named_parameters():
         if "lora_B" in name:  # a trained-looking adapter: B = 0 would make the LoRA term vanish
             torch.nn.init.normal_(param, std=0.02)

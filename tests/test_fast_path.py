@@ -283,3 +283,26 @@ def test_compiled_generation_on_gpu_replays_cuda_graphs_with_same_tokens(tiny_ll
     assert torch.equal(eager, compiled)
     assert sum(counters["graph_break"].values()) == 0
     assert counters["inductor"].get("cudagraph_skips", 0) == 0
+
+
+@pytest.mark.gpu
+def test_trainer_use_liger_kernel_with_a_fastlora_model(tiny_llama_path, tmp_path):
+    """The documented Trainer recipe: `TrainingArguments(use_liger_kernel=True)` patches the transformers model under
+    the PeftModel and trains the FastLoRA adapters."""
+    pytest.importorskip("liger_kernel")
+    from transformers import Trainer, TrainingArguments
+
+    model = fastlora_model(tiny_llama_path, device="cuda")
+    ids = torch.randint(3, 128, (8, 32))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3, learning_rate=1e-2,
+                             report_to=[], save_strategy="no", disable_tqdm=True, bf16=True, use_liger_kernel=True,
+                             logging_steps=1, seed=0)  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    result = trainer.train()
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    norm = model.get_base_model().model.norm
+    assert type(norm).__name__ == "LigerRMSNorm" or norm.forward.__func__.__qualname__.startswith("LigerRMSNorm")
+    changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert changed, "no adapter weight moved"
