@@ -208,11 +208,8 @@ def test_compiled_generation_matches_eager_and_restores(tiny_llama_path):
 
 
 @pytest.mark.gpu
-def test_offloaded_checkpointing_matches_and_moves_inputs_to_cpu(tiny_llama_path):
+def test_offloaded_checkpointing_matches_and_moves_inputs_to_cpu(tiny_llama_path, monkeypatch):
     ids = torch.randint(3, 128, (2, 64), device="cuda")
-    plain, fast = fastlora_model(tiny_llama_path, device="cuda"), fastlora_model(tiny_llama_path, device="cuda")
-    report = peft_fastlora.enable_fast_path(fast, liger=False, offload_activations=True)
-    assert report.offload_activations
     packed = []
     original = fast_path._pack
 
@@ -221,15 +218,15 @@ def test_offloaded_checkpointing_matches_and_moves_inputs_to_cpu(tiny_llama_path
         packed.append(not isinstance(out, torch.Tensor))
         return out
 
-    fast_path._pack = recording_pack
-    try:
-        for model in (plain, fast):
-            model.train()
-            set_checkpointing(model, "non-reentrant")
-        loss_p, grads_p = loss_and_grads(plain, ids)
-        loss_f, grads_f = loss_and_grads(fast, ids)
-    finally:
-        fast_path._pack = original
+    monkeypatch.setattr(fast_path, "_pack", recording_pack)  # before the hooks bind it
+    plain, fast = fastlora_model(tiny_llama_path, device="cuda"), fastlora_model(tiny_llama_path, device="cuda")
+    report = peft_fastlora.enable_fast_path(fast, liger=False, offload_activations=True)
+    assert report.offload_activations
+    for model in (plain, fast):
+        model.train()
+        set_checkpointing(model, "non-reentrant")
+    loss_p, grads_p = loss_and_grads(plain, ids)
+    loss_f, grads_f = loss_and_grads(fast, ids)
     assert any(packed), "no checkpointed input went to CPU memory"
     assert torch.equal(loss_p, loss_f)
     for name in grads_p:
