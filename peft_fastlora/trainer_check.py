@@ -113,6 +113,19 @@ def _first_trainable_device_type(model: nn.Module) -> Optional[str]:
     return None
 
 
+def _fp16_check_hook(module: nn.Module, args) -> None:
+    # A module-level function, not a closure: a model holding the hook must stay picklable (torch.save(model),
+    # multiprocessing spawn, Ray, joblib), as stock PEFT models are.
+    if not (module.training and torch.is_grad_enabled()):
+        return
+    device_type = _first_trainable_device_type(module)
+    try:
+        if device_type is not None and fp16_autocast_active(device_type):
+            check_fp16_training(module)
+    finally:
+        remove_fp16_autocast_check(module)
+
+
 def register_fp16_autocast_check(model: nn.Module) -> RemovableHandle:
     """Runs [`check_fp16_training`] on ``model`` at its first training forward under fp16 autocast.
 
@@ -128,18 +141,7 @@ def register_fp16_autocast_check(model: nn.Module) -> RemovableHandle:
     existing = getattr(model, _HANDLE_ATTR, None)
     if existing is not None:
         return existing
-
-    def hook(module: nn.Module, args) -> None:
-        if not (module.training and torch.is_grad_enabled()):
-            return
-        device_type = _first_trainable_device_type(module)
-        try:
-            if device_type is not None and fp16_autocast_active(device_type):
-                check_fp16_training(module)
-        finally:
-            remove_fp16_autocast_check(module)
-
-    handle = model.register_forward_pre_hook(hook)
+    handle = model.register_forward_pre_hook(_fp16_check_hook)
     setattr(model, _HANDLE_ATTR, handle)
     return handle
 

@@ -10,6 +10,7 @@ from torch import nn
 import peft_fastlora
 from peft_fastlora.bnb import FastLoraLinear4bit, FastLoraLinear8bit
 from peft_fastlora.ops.reference import dequantize_ref
+from tests.utils import fast_config as shared_fast_config
 from tests.utils import load_quantized
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -19,9 +20,7 @@ ACT_TOLS = [(FP32, 1e-5, 1e-5), (FP16, 2e-3, 2e-3), (BF16, 2e-2, 2e-2)]
 
 
 def fast_config(**kwargs):
-    return peft_fastlora.FastLoraConfig(
-        **{"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "init_lora_weights": False, **kwargs}
-    )
+    return shared_fast_config(**{"init_lora_weights": False, "task_type": None, **kwargs})
 
 
 @pytest.fixture(params=["nf4", "fp4", "nf4-dq", "int8"])
@@ -176,8 +175,8 @@ def test_outside_cast_is_restored_with_a_warning(tiny_llama_path):
 def test_4bit_weight_repacked_by_bnb_cpu_inference_is_restored(tiny_llama_path):
     base = quantized(tiny_llama_path, "nf4", compute=FP32, dtype=FP32)
     layer = base.model.layers[0].self_attn.q_proj  # in 64 x out 64: bnb's CPU repacking applies
-    reference = dequantize_ref(peft_fastlora.bnb_weights.packed4bit_from_bnb(layer.weight.data,
-                                                                             layer.weight.quant_state), FP32)
+    reference = dequantize_ref(peft_fastlora.bnb.packed4bit_from_bnb(layer.weight.data, layer.weight.quant_state),
+                               FP32)
     if not layer.support_avx512bf16_for_cpu:
         pytest.skip("bitsandbytes only repacks on CPUs with AVX512-BF16")
     base.eval()
@@ -212,3 +211,6 @@ def test_weight_container_is_reused_and_dropped_on_move(tiny_llama_path):
     layer.to("cpu")
     assert WEIGHT_CACHE not in layer.__dict__
     assert layer.quantized_weight() is not first
+    second = layer.quantized_weight()
+    layer.invalidate_weight_cache()
+    assert layer.quantized_weight() is not second

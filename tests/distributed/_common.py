@@ -175,9 +175,9 @@ def adapter_tensors(model) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    from peft_fastlora.distributed import _unwrap
+    from peft_fastlora.distributed import unwrap
 
-    state = get_peft_model_state_dict(_unwrap(model))
+    state = get_peft_model_state_dict(unwrap(model))
     out = {}
     for key, value in sorted(state.items()):
         if isinstance(value, DTensor):

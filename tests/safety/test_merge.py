@@ -25,7 +25,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from peft_fastlora import FastLoraLayer
-from peft_fastlora.bnb_weights import packed4bit_from_bnb
+from peft_fastlora.bnb import packed4bit_from_bnb
 from peft_fastlora.layer import LOSSY_MERGE_WARNING
 from peft_fastlora.ops.reference import dequantize_ref
 
