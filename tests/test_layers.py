@@ -1,5 +1,7 @@
 """FastLoRA layers over bitsandbytes layers: dispatch, forward math and dtypes, gradients, adapters API."""
 
+import warnings
+
 import bitsandbytes as bnb
 import pytest
 import torch
@@ -11,7 +13,7 @@ import peft_fastlora
 from peft_fastlora.bnb import FastLoraLinear4bit, FastLoraLinear8bit
 from peft_fastlora.ops.reference import dequantize_ref
 from tests.utils import fast_config as shared_fast_config
-from tests.utils import load_quantized
+from tests.utils import load_quantized, logits, tokens
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # (activation dtype, atol, rtol) against an fp32 computation on the same dequantized weights: fp32 is exact up to
@@ -214,3 +216,47 @@ def test_weight_container_is_reused_and_dropped_on_move(tiny_llama_path):
     second = layer.quantized_weight()
     layer.invalidate_weight_cache()
     assert layer.quantized_weight() is not second
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_8bit_scales_are_read_from_the_layer_state_after_a_bnb_forward(tiny_llama_path, device):
+    """bitsandbytes moves the row scales from `weight.SCB` to `layer.state.SCB` at a Linear8bitLt's first forward."""
+    base = load_quantized(tiny_llama_path, dtype=FP16, bits=8, device=device)
+    with torch.no_grad():
+        base(input_ids=tokens().to(device))  # e.g. a baseline generate before wrapping
+    bnb_layer = base.model.layers[0].mlp.down_proj
+    assert getattr(bnb_layer.weight, "SCB", None) is None and bnb_layer.state.SCB is not None
+    expected = (bnb_layer.weight.data.float() * bnb_layer.state.SCB.float()[:, None] / 127).cpu()
+    model = get_peft_model(base, fast_config())
+    layer = first_layer(model)
+    torch.testing.assert_close(dequantize_ref(layer.quantized_weight(), FP32).cpu(), expected, atol=1e-6, rtol=1e-6)
+    out = logits(model)
+    assert out.isfinite().all()
+
+
+def test_fp32_activations_into_16bit_compute_warn_once_with_the_fix(tiny_llama_path):
+    """prepare_model_for_kbit_training upcasts norms and embeddings: 4-bit layers then get fp32 activations."""
+    from peft import prepare_model_for_kbit_training
+
+    base = prepare_model_for_kbit_training(quantized(tiny_llama_path, "nf4", compute=BF16, dtype=BF16),
+                                           use_gradient_checkpointing=False)
+    model = get_peft_model(base, fast_config())
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("default")  # Python's usual filter: one report per warning location
+        logits(model)
+        logits(model)
+    found = [str(w.message) for w in record if "receives float32 activations" in str(w.message)]
+    assert len(found) == 1 and "torch.autocast" in found[0] and "bf16=True" in found[0], found
+    assert all(m._activations_checked for m in model.modules() if isinstance(m, peft_fastlora.FastLoraLayer))
+
+
+def test_fp32_activations_under_autocast_do_not_warn(tiny_llama_path):
+    from peft import prepare_model_for_kbit_training
+
+    base = prepare_model_for_kbit_training(quantized(tiny_llama_path, "nf4", compute=BF16, dtype=BF16),
+                                           use_gradient_checkpointing=False)
+    model = get_peft_model(base, fast_config())
+    with warnings.catch_warnings(record=True) as record, torch.autocast("cpu", dtype=BF16):
+        warnings.simplefilter("always")
+        logits(model)
+    assert not [w for w in record if "receives float32 activations" in str(w.message)]

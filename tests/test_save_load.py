@@ -291,3 +291,24 @@ def test_unquantized_target_gets_peft_lora_linear(tiny_llama_path, tmp_path, qua
     assert_same_tensors(adapter_tensors(loaded), adapter_tensors(model))
     assert torch.equal(logits(loaded), logits(model))
 
+
+
+@pytest.mark.parametrize("trained, loaded", [("int8-fp16", "fp4-fp16-dq"), ("fp4-fp16-dq", "int8-fp16")])
+def test_adapter_loaded_on_another_quantization_warns(tiny_llama_path, tmp_path, trained, loaded):
+    """The card records the training quantization; loading on a base with another bit width says so."""
+    get_peft_model(load_base(tiny_llama_path, trained), fast_config(init_lora_weights=False)).save_pretrained(tmp_path)
+    bits = {"int8-fp16": 8, "fp4-fp16-dq": 4}
+    with pytest.warns(UserWarning, match=rf"trained on a {bits[trained]}-bit base model .* is {bits[loaded]}-bit"):
+        PeftModel.from_pretrained(load_base(tiny_llama_path, loaded), tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        PeftModel.from_pretrained(load_base(tiny_llama_path, trained), tmp_path)
+
+
+def test_ungathered_zero3_style_save_warns(tiny_llama_path, tmp_path):
+    """PEFT's check for lora tensors saved as un-gathered shards (1-D / empty) runs for FASTLORA as for LORA."""
+    model = get_peft_model(load_base(tiny_llama_path, "nf4-bf16"), fast_config())
+    name, param = next((n, p) for n, p in model.named_parameters() if "lora_A" in n)
+    param.data = torch.empty(0, dtype=param.dtype)  # what a ZeRO-3 partitioned parameter looks like outside a gather
+    with pytest.warns(UserWarning, match=r"LoRA tensor\(s\) have invalid shape.*ZeRO-3 / FSDP"):
+        model.save_pretrained(tmp_path)
