@@ -93,9 +93,7 @@ class FastLoraLayer(nn.Module, LoraLayer):
         self._activations_checked = False
         self.overflow_guard = bool(getattr(config, "fp16_overflow_guard", False))
         device = next((t.device for t in base_layer.parameters()), None)
-        with torch.inference_mode(False):  # a model built under inference_mode must still count outside it
-            counter = torch.zeros((), dtype=torch.int64, device=device)
-        self.register_buffer("overflow_count", counter, persistent=False)
+        self.register_buffer("overflow_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
 
