@@ -47,7 +47,7 @@ def bnb_config(
 
 
 def load_quantized(path: Path, dtype: torch.dtype = torch.bfloat16, quantization: Optional[BitsAndBytesConfig] = None,
-                   device: Optional[Union[str, int]] = None, **bnb_kwargs):
+                   device: Optional[Union[str, int, torch.device]] = None, **bnb_kwargs):
     """Loads the model at ``path`` quantized with bitsandbytes (default: 4-bit nf4, bf16 compute).
 
     ``device`` places it with an explicit ``device_map`` (without one, transformers puts a bitsandbytes model on the
