@@ -270,7 +270,10 @@ class FastLoraLayer(nn.Module, LoraLayer):
 
     def _check_activation_dtype(self, x: torch.Tensor) -> None:
         """Warns (once per process, through Python's warning filter) when fp32 activations reach a layer configured
-        for 16-bit compute without autocast: FastLoRA then computes in fp32, which is slow on a GPU."""
+        for 16-bit compute without autocast: FastLoRA then computes in fp32, which is slow on a GPU. Skipped while
+        torch.compile traces (no side effects in a graph); the first eager call checks."""
+        if torch.compiler.is_compiling():
+            return
         self._activations_checked = True
         compute = self.configured_compute_dtype()
         if x.dtype != torch.float32 or compute not in (torch.float16, torch.bfloat16):
