@@ -6,7 +6,7 @@ Importing the package registers ``PeftType.FASTLORA`` with PEFT, so ``get_peft_m
 
 from . import _registry
 from .config import FastLoraConfig
-from .distributed import clean_wrapper_keys, clean_wrapper_name, fsdp1_module_state_from, prepare_for_fsdp
+from .distributed import clean_wrapper_name, fsdp1_module_state_from, prepare_for_fsdp, prepare_if_launched
 from .dtypes import ADAPTER_DTYPE_POLICIES, resolve_adapter_dtype
 from .export import export_lora, load_lora_as_fastlora
 from .fast_path import FastPathReport, enable_fast_path
@@ -17,12 +17,11 @@ from .model import FastLoraModel
 from .model_card import update_model_card
 from .trainer_check import FastLoraFp16Callback
 
-_registry.check_peft_version()
+# The wiring, in one place (_registry checked the PEFT version when it was imported above).
 _registry.register_method(FastLoraConfig, FastLoraModel)
 _registry.hook_adapter_state_dict(FastLoraModel, clean_wrapper_name)
-_registry.hook_model_card(
-    update_model_card, clean_state_dict=clean_wrapper_keys, saving_context=fsdp1_module_state_from
-)
+_registry.hook_model_card(update_model_card, saving_context=fsdp1_module_state_from)
+FastLoraModel.launch_hook = staticmethod(prepare_if_launched)  # FSDP preparation under `accelerate launch` (logged)
 
 __version__ = "0.1.0"
 __all__ = [

@@ -1,16 +1,23 @@
-"""The one place that touches PEFT internals.
+"""The one module that touches PEFT internals, and the list of every one of them that peft_fastlora uses.
 
 PEFT has no public API for adding a ``PeftType`` member, so this module extends the enum, registers the FASTLORA
 method (config class, tuner class, the ``lora_`` key prefix) and hooks ``save_pretrained`` to add the FastLoRA
 model card. Everything is idempotent on re-import and fails loudly, before anything is changed, on a PEFT whose
-internals differ.
+internals differ: [`check_peft_version`] runs once, when this module is imported, and checks every entry of
+[`PRIVATE_PEFT_API`].
+
+Other modules reach private PEFT symbols only through this module (the accessors below), or override a private PEFT
+method under its own name; both kinds are listed in [`PRIVATE_PEFT_API`] (``tests/test_registry.py`` checks that no
+module uses one that is not listed).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import inspect
+from typing import NamedTuple
 
 import peft
 from packaging.version import Version
@@ -19,6 +26,32 @@ SUPPORTED_PEFT = (Version("0.21.0"), Version("0.22.0"))
 FASTLORA = "FASTLORA"
 _CARD_HOOK_MARK = "_peft_fastlora_card_hook"
 _STATE_DICT_HOOK_MARK = "_peft_fastlora_state_dict_hook"
+
+
+class PrivateSymbol(NamedTuple):
+    """One PEFT internal that peft_fastlora relies on: ``module.owner`` (a dotted path), and how it is used."""
+
+    module: str
+    owner: str
+    use: str
+
+
+PRIVATE_PEFT_API = (
+    PrivateSymbol("peft.utils.peft_types", "PeftType._member_map_", "extend_peft_type adds FASTLORA"),
+    PrivateSymbol("peft.utils.peft_types", "PeftType._value2member_map_", "extend_peft_type adds FASTLORA"),
+    PrivateSymbol("peft.utils.peft_types", "PeftType._member_names_", "extend_peft_type adds FASTLORA"),
+    PrivateSymbol("peft.mapping", "PEFT_TYPE_TO_PREFIX_MAPPING", "register_method shares LoRA's prefix"),
+    PrivateSymbol("peft.tuners.lora", "LoraModel._create_new_module", "FastLoraModel overrides it; create_lora_module"),
+    PrivateSymbol("peft.tuners.lora", "LoraModel._cast_adapter_dtype", "FastLoraModel overrides it (dtype policy)"),
+    PrivateSymbol("peft.tuners.lora", "LoraModel._get_adapter_state_dict", "hook_adapter_state_dict wraps it"),
+    PrivateSymbol("peft.tuners.lora", "LoraLayer._move_adapter_to_device_of_base_layer", "FastLoraLayer overrides it"),
+    PrivateSymbol("peft.tuners.lora", "LoraLayer._check_forward_args", "FastLoraLayer.forward (adapter_names=)"),
+    PrivateSymbol("peft.tuners.tuners_utils", "BaseTunerLayer._active_adapter", "FastLoraLayer.__init__ sets it"),
+    PrivateSymbol("peft.utils.other", "AuxiliaryTrainingWrapper", "auxiliary_training_wrapper (saving)"),
+    PrivateSymbol("peft.utils.other", "ModulesToSaveWrapper", "modules_to_save_wrapper (FSDP1 saving)"),
+    PrivateSymbol("peft.utils.save_and_load", "_validate_lora_adapter_state_dict", "validate_adapter_state_dict"),
+    PrivateSymbol("peft.utils.hotswap", "CONFIG_KEYS_TO_CHECK", "enable_hotswap: hotswap_adapter accepts FASTLORA"),
+)
 
 
 class UnsupportedPeftVersionError(ImportError):
@@ -33,28 +66,75 @@ def _fail(what: str) -> None:
     )
 
 
+def _resolve(symbol: PrivateSymbol):
+    """The object ``symbol`` names; raises `AttributeError` / `ImportError` when PEFT does not have it."""
+    obj = importlib.import_module(symbol.module)
+    for part in symbol.owner.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def check_peft_version() -> None:
-    """Checks the installed PEFT version and that every internal this module relies on is present."""
+    """Checks the installed PEFT version, its public entry points used here, and every [`PRIVATE_PEFT_API`] entry."""
     lo, hi = SUPPORTED_PEFT
     if not lo <= Version(Version(peft.__version__).base_version) < hi:
         _fail("is outside that range")
     from peft import mapping, peft_model, utils
-    from peft.utils import peft_types
 
     for owner, name in [
-        (peft_types, "PeftType"),
         (utils, "register_peft_method"),
         (mapping, "PEFT_TYPE_TO_CONFIG_MAPPING"),
         (mapping, "PEFT_TYPE_TO_TUNER_MAPPING"),
-        (mapping, "PEFT_TYPE_TO_PREFIX_MAPPING"),
         (peft_model.PeftModel, "save_pretrained"),
-        (peft.tuners.lora.LoraModel, "_get_adapter_state_dict"),
     ]:
         if not hasattr(owner, name):
             _fail(f"has no `{getattr(owner, '__name__', owner)}.{name}`")
-    for attr in ("_member_map_", "_value2member_map_", "_member_names_"):
-        if not hasattr(peft_types.PeftType, attr):
-            _fail(f"has a PeftType enum without `{attr}`")
+    for symbol in PRIVATE_PEFT_API:
+        try:
+            _resolve(symbol)
+        except (AttributeError, ImportError):
+            _fail(f"has no `{symbol.module}.{symbol.owner}` (used: {symbol.use})")
+
+
+# ---- accessors: how the rest of the package reaches the listed internals ---------------------------------------------
+def create_lora_module(lora_config, adapter_name: str, target, **kwargs):
+    """PEFT's own choice of LoRA layer for ``target`` (``LoraModel._create_new_module``)."""
+    from peft.tuners.lora import LoraModel
+
+    return LoraModel._create_new_module(lora_config, adapter_name, target, **kwargs)
+
+
+def auxiliary_training_wrapper() -> type:
+    """PEFT's base class of ``modules_to_save`` / trainable-token wrappers."""
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    return AuxiliaryTrainingWrapper
+
+
+def modules_to_save_wrapper() -> type:
+    """PEFT's ``modules_to_save`` wrapper class."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    return ModulesToSaveWrapper
+
+
+def validate_adapter_state_dict(state_dict: dict, adapter_name: str) -> None:
+    """PEFT's check for LoRA tensors saved un-gathered (ZeRO-3 / FSDP shards): warns on 1-D or empty ``lora_A/B``.
+
+    PEFT runs it only for LORA and ADALORA; FASTLORA adapters are LoRA tensors, so the tuner runs it too.
+    """
+    from peft.utils.save_and_load import _validate_lora_adapter_state_dict
+
+    _validate_lora_adapter_state_dict(state_dict, adapter_name=adapter_name)
+
+
+def enable_hotswap(peft_type) -> None:
+    """Lets ``peft.utils.hotswap`` swap FASTLORA adapters: it checks the same config keys as for LoRA (FastLoRA
+    adapters are LoRA tensors in LoRA modules)."""
+    from peft.utils.hotswap import CONFIG_KEYS_TO_CHECK
+    from peft.utils.peft_types import PeftType
+
+    CONFIG_KEYS_TO_CHECK[peft_type] = list(CONFIG_KEYS_TO_CHECK[PeftType.LORA])
 
 
 def extend_peft_type():
@@ -88,6 +168,7 @@ def register_method(config_cls, model_cls) -> None:
     from peft.utils.peft_types import PeftType
 
     peft_type = extend_peft_type()
+    enable_hotswap(peft_type)
     if peft_type in PEFT_TYPE_TO_TUNER_MAPPING:
         PEFT_TYPE_TO_CONFIG_MAPPING[peft_type] = config_cls
         PEFT_TYPE_TO_TUNER_MAPPING[peft_type] = model_cls
@@ -123,7 +204,9 @@ def hook_adapter_state_dict(model_cls, clean_name) -> None:
     only at the start of a name. Under FSDP1 with nested units (the HF Trainer wraps every decoder layer, and PEFT's
     ``fsdp_auto_wrap_policy`` every ``lora_A`` / ``lora_B``) a layer is named ``...layers.0._fsdp_wrapped_module.
     self_attn.q_proj`` while the FULL_STATE_DICT keys are ``...layers.0.self_attn.q_proj.lora_A.default.weight``:
-    nothing matched, and ``Trainer.save_model`` wrote only the ``modules_to_save`` tensors. A no-op without such names.
+    without the clean names nothing would match, and ``Trainer.save_model`` would write only the ``modules_to_save``
+    tensors. A no-op without such names. The selection then goes through PEFT's check for un-gathered ZeRO-3 / FSDP
+    tensors, which PEFT itself runs only for LORA and ADALORA.
     """
     original = model_cls._get_adapter_state_dict  # bound to model_cls: calls LoRA's (and PEFT's base) selection
     original = getattr(original, _STATE_DICT_HOOK_MARK, original)
@@ -131,7 +214,9 @@ def hook_adapter_state_dict(model_cls, clean_name) -> None:
     def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
         if any(clean_name(name) != name for name, _ in model.named_modules()):
             model = _CleanNamesView(model, clean_name)
-        return original(model, config, adapter_name, state_dict, unwanted_adapter_names)
+        selected = original(model, config, adapter_name, state_dict, unwanted_adapter_names)
+        validate_adapter_state_dict(selected, adapter_name)  # PEFT runs it for LORA and ADALORA only
+        return selected
 
     _get_adapter_state_dict.__doc__ = original.__doc__
     hooked = classmethod(_get_adapter_state_dict)

@@ -1,4 +1,17 @@
-"""FastLoRA layers over bitsandbytes ``Linear4bit`` and ``Linear8bitLt``, and their PEFT dispatch functions."""
+"""Everything FastLoRA knows about bitsandbytes: the FastLoRA layers over ``Linear4bit`` / ``Linear8bitLt``, their PEFT
+dispatch functions, and how a bitsandbytes parameter becomes the plain-tensor container ``peft_fastlora.ops`` reads.
+
+bitsandbytes keeps parts of a quantized weight in places that move:
+
+- 4-bit: ``Params4bit.quant_state``. FSDP replaces the parameter by a plain all-gathered tensor without it; the layer
+  keeps a copy (``Linear4bit.quant_state``) that [`restore_quant_state`] puts back. bitsandbytes' eval-mode CPU forward
+  repacks the weight into a CPU-only layout, which [`restore_standard_packing`] undoes.
+- 8-bit: the row scales start as ``Int8Params.SCB``; the first forward of a ``Linear8bitLt`` moves them (and ``CB``) to
+  ``layer.state``. [`int8_from_bnb`] reads both places.
+
+One private bitsandbytes function is used: ``bitsandbytes.functional._convert_weight_packed_for_cpu_inverse`` (the
+inverse of its CPU repacking; bitsandbytes has no public one).
+"""
 
 from __future__ import annotations
 
@@ -10,13 +23,95 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from .bnb_weights import int8_from_bnb, packed4bit_from_bnb
-from .distributed import restore_quant_state
-from .layer import WEIGHT_CACHE, FastLoraLayer, param
+from .layer import FastLoraLayer, param
 from .ops.quant_state import Int8Rowwise, Packed4bit
 
 
-def _restore_standard_packing(base: bnb.nn.Linear4bit) -> None:
+# ---- bitsandbytes parameters -> ops containers -----------------------------------------------------------------------
+def packed4bit_from_bnb(data: torch.Tensor, quant_state) -> Packed4bit:
+    """Builds a [`Packed4bit`] from a bitsandbytes ``Params4bit`` (or its raw data) and its ``QuantState``.
+
+    Args:
+        data (`torch.Tensor`): The packed weight (``Params4bit`` data, any ``quant_storage`` dtype).
+        quant_state (`bitsandbytes.functional.QuantState`): Its quantization state.
+    """
+    if quant_state is None:
+        raise ValueError(
+            "This 4-bit weight has no `quant_state`: it was never quantized (e.g. it is still on the meta device or "
+            "was not moved to a device). Load the model with `BitsAndBytesConfig(load_in_4bit=True)` first."
+        )
+    out_features, in_features = (int(s) for s in quant_state.shape)
+    nested = bool(getattr(quant_state, "nested", False))
+    state2 = quant_state.state2 if nested else None
+    return Packed4bit(
+        data=data,
+        absmax=quant_state.absmax,
+        code=quant_state.code,
+        blocksize=int(quant_state.blocksize),
+        shape=(out_features, in_features),
+        nested_absmax=state2.absmax if nested else None,
+        nested_code=state2.code if nested else None,
+        nested_blocksize=int(state2.blocksize) if nested else 0,
+        offset=torch.as_tensor(quant_state.offset, dtype=torch.float32, device=data.device) if nested else None,
+        quant_type=str(quant_state.quant_type),
+    )
+
+
+def int8_scales(weight, layer_state=None) -> Optional[torch.Tensor]:
+    """The row scales of an ``Int8Params``: ``weight.SCB``, or ``layer_state.SCB`` once a forward has moved them."""
+    scb = getattr(weight, "SCB", None)
+    if scb is None and layer_state is not None:
+        scb = getattr(layer_state, "SCB", None)
+    return scb
+
+
+def int8_from_bnb(weight, layer_state=None) -> Int8Rowwise:
+    """Builds an [`Int8Rowwise`] from a bitsandbytes ``Int8Params`` (data holds CB; the row scales are ``weight.SCB``,
+    or ``layer_state.SCB`` of its ``Linear8bitLt`` after a forward).
+
+    Args:
+        weight (`bitsandbytes.nn.Int8Params`): The int8 weight.
+        layer_state (`bitsandbytes.MatmulLtState`, *optional*): ``Linear8bitLt.state``, where bitsandbytes keeps the
+            scales once the layer has run.
+    """
+    scb = int8_scales(weight, layer_state)
+    if scb is None:
+        raise ValueError(
+            "This 8-bit weight has no `SCB` row scales, neither on the weight nor in its layer's `state`: it was "
+            "never quantized (bitsandbytes quantizes an Int8Params when it is moved to a device). Load the model "
+            "with `BitsAndBytesConfig(load_in_8bit=True)` first."
+        )
+    cb = weight.CB if getattr(weight, "CB", None) is not None else weight.data
+    return Int8Rowwise(cb=cb, scb=scb)
+
+
+# ---- where bitsandbytes moved the 4-bit state ------------------------------------------------------------------------
+def restore_quant_state(base_layer: nn.Module) -> None:
+    """Re-attaches ``quant_state`` to the weight of a bitsandbytes ``Linear4bit`` that FSDP replaced by a plain tensor.
+
+    A no-op when the weight still has its state (no FSDP, or a ``Params4bit``). Raises if FSDP mixed precision cast
+    the packed bytes to another dtype, which makes them unreadable.
+
+    Args:
+        base_layer (`nn.Module`): A ``bitsandbytes.nn.Linear4bit``.
+    """
+    weight = base_layer.weight
+    if getattr(weight, "quant_state", None) is not None:
+        return
+    state = getattr(base_layer, "quant_state", None)
+    if state is None:
+        return  # never quantized; `packed4bit_from_bnb` raises the error that explains it
+    storage = getattr(base_layer, "quant_storage", weight.dtype)
+    if weight.dtype != storage:
+        raise RuntimeError(
+            f"The packed 4-bit weight of this layer is {weight.dtype} but was stored as {storage} "
+            f"(`bnb_4bit_quant_storage`): FSDP mixed precision cast the packed bytes. Set FSDP's mixed precision "
+            f"`param_dtype` to {storage}, or load the model with `bnb_4bit_quant_storage` equal to that `param_dtype`."
+        )
+    weight.quant_state = state  # a plain attribute on FSDP's unsharded Parameter; the parameter itself stays FSDP's
+
+
+def restore_standard_packing(base: nn.Module) -> None:
     """Undoes bitsandbytes' CPU-only repacking (done by its eval-mode CPU forward): back to the usual layout."""
     weight = base.weight
     if getattr(weight.quant_state, "packing_format_for_cpu", False):
@@ -30,8 +125,23 @@ def _restore_standard_packing(base: bnb.nn.Linear4bit) -> None:
         weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
 
 
+def view_packed_as_bytes(base: nn.Module) -> bool:
+    """Re-views the packed weight of a ``Linear4bit`` as ``uint8`` (same storage, bitsandbytes' default ``(n, 1)``
+    layout) and makes ``uint8`` its ``quant_storage``; returns whether the data changed dtype."""
+    weight = base.weight
+    changed = weight.dtype != torch.uint8
+    if changed:
+        weight.data = weight.data.reshape(-1).view(torch.uint8).view(-1, 1)
+    weight.quant_storage = torch.uint8
+    base.quant_storage = torch.uint8
+    return changed
+
+
+# ---- layers ----------------------------------------------------------------------------------------------------------
 class FastLoraLinear4bit(FastLoraLayer):
     """FastLoRA over ``bnb.nn.Linear4bit`` (NF4/FP4, any blocksize, double quantization, any ``quant_storage``)."""
+
+    bits = 4
 
     def quantized_weight(self) -> Packed4bit:
         base = self._base()
@@ -39,22 +149,18 @@ class FastLoraLinear4bit(FastLoraLayer):
         state = getattr(weight, "quant_state", None)
         if state is None or getattr(state, "packing_format_for_cpu", False):
             restore_quant_state(base)  # FSDP swaps in a plain all-gathered tensor without bitsandbytes' quant_state
-            _restore_standard_packing(base)
+            restore_standard_packing(base)
             weight = param(base, "weight")
             state = weight.quant_state
         if torch.compiler.is_compiling():  # data_ptr() is opaque to dynamo; compiled graphs don't need the cache
             return packed4bit_from_bnb(weight.data, state)
-        # Reuse the container while the weight is the same storage with the same quant_state: the kernels cache
-        # their validated launch arguments on it, which keeps per-call host time down. A merge, a device move or a
-        # new quant_state changes the key. (Read with Params4bit's __torch_function__ off: it costs a microsecond a
-        # tensor attribute, on every layer call.)
+        # Read with Params4bit's __torch_function__ off: it costs a microsecond a tensor attribute, on every call.
         with torch._C.DisableTorchFunctionSubclass():
             key = (weight.data_ptr(), weight.device, id(state), id(state.absmax))
-        cached = self.__dict__.get(WEIGHT_CACHE)
-        if cached is None or cached[0] != key:
-            cached = (key, packed4bit_from_bnb(weight.data, state))
-            self.__dict__[WEIGHT_CACHE] = cached
-        return cached[1]
+        return self.cached_weight(key, lambda: packed4bit_from_bnb(weight.data, state))
+
+    def configured_compute_dtype(self) -> Optional[torch.dtype]:
+        return getattr(self.get_base_layer(), "compute_dtype", None)
 
     def store_weight(self, weight: torch.Tensor) -> None:
         base = self.get_base_layer()
@@ -75,18 +181,18 @@ class FastLoraLinear4bit(FastLoraLayer):
 class FastLoraLinear8bit(FastLoraLayer):
     """FastLoRA over ``bnb.nn.Linear8bitLt`` (weight-only int8: ``W = CB * SCB / 127``, no activation quantization)."""
 
+    bits = 8
+
     def quantized_weight(self) -> Int8Rowwise:
-        weight = param(self._base(), "weight")
+        base = self._base()
+        weight = param(base, "weight")
+        state = base.__dict__.get("state")
         if torch.compiler.is_compiling():
-            return int8_from_bnb(weight)
-        scb = getattr(weight, "SCB", None)
+            return int8_from_bnb(weight, state)
+        scb = int8_scales(weight, state)
         with torch._C.DisableTorchFunctionSubclass():  # as for 4-bit: no __torch_function__ per attribute read
             key = (weight.data_ptr(), weight.device, None if scb is None else scb.data_ptr())
-        cached = self.__dict__.get(WEIGHT_CACHE)
-        if cached is None or cached[0] != key:
-            cached = (key, int8_from_bnb(weight))
-            self.__dict__[WEIGHT_CACHE] = cached
-        return cached[1]
+        return self.cached_weight(key, lambda: int8_from_bnb(weight, state))
 
     def store_weight(self, weight: torch.Tensor) -> None:
         base = self.get_base_layer()
@@ -97,13 +203,24 @@ class FastLoraLinear8bit(FastLoraLayer):
         base.state.SCB = base.weight.SCB
 
 
+# ---- PEFT dispatch ---------------------------------------------------------------------------------------------------
 def _base_of(target: nn.Module) -> nn.Module:
     return target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
 
 
+def is_quantized_4bit(module: nn.Module) -> bool:
+    """Whether ``module`` is a bitsandbytes ``Linear4bit``."""
+    return isinstance(module, bnb.nn.Linear4bit)
+
+
+def is_quantized_8bit(module: nn.Module) -> bool:
+    """Whether ``module`` is a bitsandbytes ``Linear8bitLt`` holding int8 weights (not fp16 ones)."""
+    return isinstance(module, bnb.nn.Linear8bitLt) and not module.state.has_fp16_weights
+
+
 def dispatch_bnb_4bit(target: nn.Module, adapter_name: str, config, **kwargs) -> Optional[FastLoraLinear4bit]:
     """PEFT dispatcher: a [`FastLoraLinear4bit`] for a ``bnb.nn.Linear4bit`` target, else ``None``."""
-    if isinstance(_base_of(target), bnb.nn.Linear4bit):
+    if is_quantized_4bit(_base_of(target)):
         return FastLoraLinear4bit(target, adapter_name, config=config, **kwargs)
     return None
 
@@ -114,8 +231,7 @@ def dispatch_bnb_8bit(target: nn.Module, adapter_name: str, config, **kwargs) ->
     An 8-bit layer that still keeps fp16 weights (``has_fp16_weights=True``) is not quantized; PEFT's own layer
     handles it.
     """
-    base = _base_of(target)
-    if isinstance(base, bnb.nn.Linear8bitLt) and not base.state.has_fp16_weights:
+    if is_quantized_8bit(_base_of(target)):
         return FastLoraLinear8bit(target, adapter_name, config=config, **kwargs)
     return None
 

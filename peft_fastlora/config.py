@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
 
 from peft import LoraConfig
 
@@ -53,8 +55,8 @@ class FastLoraConfig(LoraConfig):
     )
 
     def __post_init__(self):
-        super().__post_init__()
-        self.peft_type = PEFT_TYPE_FASTLORA
+        # Our checks come first: LoraConfig's own would reject some of these settings (`loftq`, `use_bdlora=True`)
+        # with an error that does not say FastLoRA cannot use them.
         check_adapter_dtype(self.adapter_dtype)
         if not isinstance(self.fp16_overflow_guard, bool):
             raise ValueError(f"`fp16_overflow_guard` must be True or False, got {self.fp16_overflow_guard!r}.")
@@ -70,3 +72,14 @@ class FastLoraConfig(LoraConfig):
                 "data-driven initialisations (PiSSA, OLoRA, CorDA, EVA, LoftQ) rewrite the quantized base weight. "
                 "Use `peft.LoraConfig` for them."
             )
+        super().__post_init__()
+        self.peft_type = PEFT_TYPE_FASTLORA
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: Optional[str] = None, **kwargs):
+        """PEFT's ``from_pretrained``; also remembers where the config came from (``config.loaded_from``, not saved),
+        so the tuner can read that adapter's model card (the quantization it was trained on)."""
+        config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
+        folder = Path(pretrained_model_name_or_path)
+        config.loaded_from = folder / subfolder if subfolder else folder
+        return config

@@ -12,7 +12,9 @@ fp16 compute gets fp32 adapters because torch's GradScaler refuses to unscale fp
 The compute dtype of a ``Linear4bit`` is its ``compute_dtype`` (``bnb_4bit_compute_dtype``), except in an fp16 model,
 where it is fp16: FastLoRA computes in the activation dtype, so an fp16 model trains with fp16 gradients whatever
 ``bnb_4bit_compute_dtype`` says. A ``Linear8bitLt`` has no compute dtype, so the model's dtype is used (the dtype the
-model was loaded in, ``model.dtype``); any other layer uses its own weight dtype.
+model was loaded in, ``model.dtype``); any other layer uses its own weights' dtype. After an explicit cast of the
+whole model (``model.half()``, ``model.float()``, ``model.to(torch.bfloat16)``) the activations have the cast dtype,
+so it becomes every layer's compute dtype and the policy is applied again.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def layer_compute_dtype(base_layer: torch.nn.Module, model_dtype: Optional[torch
     weight = getattr(base_layer, "weight", None)
     if isinstance(weight, torch.Tensor) and weight.dtype in FLOAT_DTYPES:
         return weight.dtype
-    return fallback
+    # Layers without a `weight` (nn.MultiheadAttention: in_proj_weight, out_proj.weight) compute in their own dtype.
+    return next((p.dtype for p in base_layer.parameters() if p.dtype in FLOAT_DTYPES), fallback)
 
 
 def model_float_dtype(model: torch.nn.Module) -> Optional[torch.dtype]:
@@ -78,22 +81,32 @@ def model_float_dtype(model: torch.nn.Module) -> Optional[torch.dtype]:
     return None
 
 
-def apply_adapter_dtype_policy(model: torch.nn.Module, adapter_name: str, policy: str) -> None:
+def apply_adapter_dtype_policy(
+    model: torch.nn.Module, adapter_name: str, policy: str, compute_dtype: Optional[torch.dtype] = None
+) -> None:
     """Casts every LoRA parameter of ``adapter_name`` in ``model`` to the dtype ``policy`` resolves to per layer.
 
-    FastLoRA layers remember the resolved dtype (``layer.adapter_dtypes``), so their forward can undo a later cast
-    done outside peft_fastlora. Parameters stay the same objects (only ``.data`` changes), so an optimizer that
-    already holds them keeps working.
+    FastLoRA layers remember the resolved dtype and the policy (``layer.adapter_dtypes``, ``layer.adapter_policies``),
+    so their forward can undo a later cast done outside peft_fastlora. Parameters stay the same objects (only
+    ``.data`` changes), so an optimizer that already holds them keeps working.
+
+    Args:
+        model (`torch.nn.Module`): The tuner's model.
+        adapter_name (`str`): The adapter to cast.
+        policy (`str`): One of [`ADAPTER_DTYPE_POLICIES`].
+        compute_dtype (`torch.dtype`, *optional*): The compute dtype of every layer, when the whole model was just
+            cast to it (``model.half()``, ``.float()``, ``.to(dtype)``: the activations then have that dtype);
+            by default each layer's own ([`layer_compute_dtype`]).
     """
     from peft.tuners.lora import LoraLayer
 
     check_adapter_dtype(policy)
-    model_dtype = model_float_dtype(model)
+    model_dtype = compute_dtype or model_float_dtype(model)
     for module in model.modules():
         if not isinstance(module, LoraLayer):
             continue
         base = module.get_base_layer()
-        dtype = resolve_adapter_dtype(policy, layer_compute_dtype(base, model_dtype))
+        dtype = resolve_adapter_dtype(policy, compute_dtype or layer_compute_dtype(base, model_dtype))
         touched = False
         for attr in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
             container = getattr(module, attr, None)
@@ -107,7 +120,19 @@ def apply_adapter_dtype_policy(model: torch.nn.Module, adapter_name: str, policy
             touched = True
         if touched and hasattr(module, "adapter_dtypes"):
             module.adapter_dtypes[adapter_name] = dtype
+            module.adapter_policies[adapter_name] = policy
             module.model_dtype = model_dtype
+
+
+def float_cast_target(fn) -> Optional[torch.dtype]:
+    """The float dtype that an ``nn.Module._apply`` function casts every float tensor to (``.half()``, ``.float()``,
+    ``.bfloat16()``, ``.to(dtype)``), or ``None`` for one that keeps dtypes (``.to(device)``, ``.cuda()``, ...)."""
+    try:
+        probes = {fn(torch.empty(0, dtype=dtype)).dtype for dtype in (torch.float32, torch.bfloat16)}
+    except Exception:  # not a plain tensor map (e.g. pin_memory without CUDA): not a dtype cast either
+        return None
+    dtype = probes.pop() if len(probes) == 1 else None
+    return dtype if dtype in FLOAT_DTYPES else None
 
 
 def override_adapter_dtype(model: torch.nn.Module, dtype: torch.dtype, param_ids: set[int]) -> list[torch.dtype]:

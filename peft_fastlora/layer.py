@@ -7,7 +7,9 @@ say how to read the quantized weight and how to store a merged one.
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -16,7 +18,7 @@ from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 
 from . import ops
-from .distributed import fsdp_owns_adapter_dtypes, fsdp_wraps_adapters
+from .dtypes import layer_compute_dtype
 from .guard import clamp_fp16
 from .ops.quant_state import QuantizedWeight
 
@@ -29,10 +31,31 @@ RECAST_WARNING = (
     "that casts trainable parameters); restoring the `adapter_dtype` policy's {policy}. Set `adapter_dtype` in "
     "FastLoraConfig instead of casting the adapters."
 )
+FP32_ACTIVATIONS_WARNING = (
+    "A FastLoRA 4-bit layer configured to compute in {compute} (`bnb_4bit_compute_dtype`) receives float32 "
+    "activations, so it dequantizes and multiplies in float32: several times slower on a GPU. This happens after "
+    "`prepare_model_for_kbit_training` (it upcasts the norms and embeddings) or with an fp32 model. Fix: run the "
+    "forward under `torch.autocast('cuda', dtype={compute_name})`, or pass `bf16=True` (or `fp16=True`) to the "
+    "Trainer, which does that for you."
+)
 
-
-# Attribute holding ``(key, container)`` of the last quantized-weight container a backend built (see bnb.py).
+# The one cache of the tuner: each FastLoRA layer keeps, in this instance attribute, ``(key, container)`` for the
+# last quantized-weight container its backend built (`FastLoraLayer.cached_weight`). The key is the backend's
+# identity of the weight (storage pointer, device, quant_state / scales identity), so a merge, a device move, an FSDP
+# all-gather or a new quant_state builds a new container. `_apply` (`.to()`, `.half()`, ...) and
+# `invalidate_weight_cache` drop it. The kernels keep their validated launch arguments on the container, which is
+# what makes reusing it worth a cache. The only other memo in the tuner, `_fsdp_wrapper_types`, holds two classes of
+# the installed torch and never changes.
 WEIGHT_CACHE = "_fastlora_weight_cache"
+
+
+@functools.cache
+def _fsdp_wrapper_types() -> tuple:
+    if not torch.distributed.is_available():
+        return ()
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return (FullyShardedDataParallel, FSDPModule)
 
 
 def param(module: nn.Module, name: str) -> Optional[torch.Tensor]:
@@ -53,13 +76,21 @@ class FastLoraLayer(nn.Module, LoraLayer):
         lora_alpha (`int`): LoRA alpha.
     """
 
+    bits: int = 0  # set by each backend: 4 or 8
+
     def __init__(self, base_layer: nn.Module, adapter_name: str, config, r: int = 0, lora_alpha: int = 1, **kwargs):
         super().__init__()
         LoraLayer.__init__(self, base_layer)
         self.fan_in_fan_out = False
-        # Resolved `adapter_dtype` per adapter, filled by `peft_fastlora.dtypes.apply_adapter_dtype_policy`.
+        # Resolved `adapter_dtype` per adapter, and the policy name it came from; filled by
+        # `peft_fastlora.dtypes.apply_adapter_dtype_policy`.
         self.adapter_dtypes: dict[str, torch.dtype] = {}
+        self.adapter_policies: dict[str, str] = {}
         self._recast_warned = False
+        # Set by `peft_fastlora.distributed.prepare_for_fsdp` for FSDP2: its mixed precision computes with its own
+        # `param_dtype` copies of the adapters (the shards keep the policy's dtype), which must not be cast back.
+        self.fsdp2_prepared = False
+        self._activations_checked = False
         self.overflow_guard = bool(getattr(config, "fp16_overflow_guard", False))
         device = next((t.device for t in base_layer.parameters()), None)
         self.register_buffer("overflow_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
@@ -69,10 +100,23 @@ class FastLoraLayer(nn.Module, LoraLayer):
     def _apply(self, fn, *args, **kwargs):
         # `.to()`, `.cuda()`, `.half()` ... replace the weight tensors: drop the container that still references the
         # old ones, so they are freed now rather than at the next forward.
-        self.__dict__.pop(WEIGHT_CACHE, None)
+        self.invalidate_weight_cache()
         return super()._apply(fn, *args, **kwargs)
 
-    # ---- backend hooks -------------------------------------------------------------------------------------------
+    # ---- the weight-container cache (see WEIGHT_CACHE) ---------------------------------------------------------------
+    def cached_weight(self, key: tuple, build: Callable[[], QuantizedWeight]) -> QuantizedWeight:
+        """The container cached for ``key``, or ``build()``'s, which then replaces the cached one."""
+        cached = self.__dict__.get(WEIGHT_CACHE)
+        if cached is None or cached[0] != key:
+            cached = (key, build())
+            self.__dict__[WEIGHT_CACHE] = cached
+        return cached[1]
+
+    def invalidate_weight_cache(self) -> None:
+        """Drops the cached container (call it after changing the base weight in place, e.g. re-viewing it)."""
+        self.__dict__.pop(WEIGHT_CACHE, None)
+
+    # ---- backend hooks -----------------------------------------------------------------------------------------------
     def quantized_weight(self) -> QuantizedWeight:
         """The base weight as a plain-tensor container for ``peft_fastlora.ops``."""
         raise NotImplementedError
@@ -81,6 +125,11 @@ class FastLoraLayer(nn.Module, LoraLayer):
         """Requantizes a full-precision ``(out_features, in_features)`` weight into the base layer."""
         raise NotImplementedError
 
+    def configured_compute_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the backend was configured to compute in (4-bit: ``bnb_4bit_compute_dtype``), or ``None``."""
+        return None
+
+    # ---- PEFT hooks --------------------------------------------------------------------------------------------------
     def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device=None) -> None:
         # PEFT casts adapters to the base layer's dtype here; under `low_cpu_mem_usage=True` loading that would round
         # saved fp32 adapters through the compute dtype. Once the policy has resolved a dtype, move in that dtype.
@@ -96,7 +145,21 @@ class FastLoraLayer(nn.Module, LoraLayer):
     def resolve_lora_variant(self, *, config, **kwargs):
         return None  # FastLoraConfig rejects DoRA and the other variants up front
 
-    # ---- math ----------------------------------------------------------------------------------------------------
+    # ---- FSDP --------------------------------------------------------------------------------------------------------
+    def adapters_are_fsdp_units(self, adapters: list[str]) -> bool:
+        """Whether FSDP made ``lora_A`` / ``lora_B`` of these adapters units of their own (FSDP1 or FSDP2).
+
+        PEFT's ``fsdp_auto_wrap_policy`` does this, and the HF Trainer installs it for every PEFT model under FSDP.
+        Such a unit gathers its weight only inside its own forward, so the layer must then call the adapter modules
+        instead of handing their weights to the fused op (which would see the flat shard).
+        """
+        wrappers = _fsdp_wrapper_types()
+        if not wrappers:
+            return False
+        lora_a, lora_b = self._modules["lora_A"]._modules, self._modules["lora_B"]._modules  # every forward: no getattr
+        return any(isinstance(lora_a[a], wrappers) or isinstance(lora_b[a], wrappers) for a in adapters)
+
+    # ---- math --------------------------------------------------------------------------------------------------------
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The base weight dequantized to ``dtype``."""
         return ops.dequantize(self.quantized_weight(), dtype)
@@ -120,7 +183,7 @@ class FastLoraLayer(nn.Module, LoraLayer):
 
     def _restore_adapter_dtypes(self, adapters: list[str]) -> None:
         """Undoes an outside cast of the adapters (e.g. TRL's bf16 cast) before it reaches GradScaler."""
-        if fsdp_owns_adapter_dtypes(self):  # FSDP2 mixed precision: its param_dtype copies, the shards keep the policy
+        if self.fsdp2_prepared:  # FSDP2 mixed precision: its param_dtype copies, the shards keep the policy
             return
         lora_a, lora_b = self._modules["lora_A"]._modules, self._modules["lora_B"]._modules
         for adapter in adapters:
@@ -148,19 +211,20 @@ class FastLoraLayer(nn.Module, LoraLayer):
         adapter_names = kwargs.pop("adapter_names", None)
         if adapter_names is not None:
             self._check_forward_args(x, *args, adapter_names=adapter_names, **kwargs)
+        if not self._activations_checked:
+            self._check_activation_dtype(x)
         merged = bool(self.merged_adapters)
-        if self._disable_adapters and merged:
+        disabled = self.disable_adapters
+        if disabled and merged:
             self.unmerge()
             merged = False
         guard = self.overflow_guard and x.dtype == torch.float16
-        if guard and self.overflow_count.device != x.device:  # layers placed after creation (device_map, .to)
-            self.overflow_count = self.overflow_count.to(x.device)
         if guard:
-            x = clamp_fp16(x, self.overflow_count)
+            x = clamp_fp16(x, self._overflow_counter(x))
 
         weight = self.quantized_weight()
         bias = param(self._base(), "bias")
-        if self._disable_adapters or merged:
+        if disabled or merged:
             adapters = []
         elif adapter_names is not None:
             adapters = sorted({a for a in adapter_names if a in self.lora_A})
@@ -169,7 +233,7 @@ class FastLoraLayer(nn.Module, LoraLayer):
             adapters = [a for a in ((active,) if isinstance(active, str) else active) if a in self.lora_A]
         self._restore_adapter_dtypes(adapters)
 
-        if adapter_names is not None or not adapters or fsdp_wraps_adapters(self, adapters):
+        if adapter_names is not None or not adapters or self.adapters_are_fsdp_units(adapters):
             # Base through the kernels; LoRA through the adapter modules (mixed batches, or FSDP units that only
             # gather their weights inside their own forward).
             result = ops.fastlora_linear(x, weight, bias, None, None, 1.0)
@@ -195,6 +259,30 @@ class FastLoraLayer(nn.Module, LoraLayer):
             result = clamp_fp16(result, self.overflow_count)
         return result
 
+    def _overflow_counter(self, x: torch.Tensor) -> torch.Tensor:
+        """The guard's counter, on ``x``'s device and updatable here (not an inference tensor outside inference
+        mode, as one created or moved under ``torch.inference_mode()`` would be)."""
+        counter = self.overflow_count
+        if counter.device != x.device or (counter.is_inference() and not torch.is_inference_mode_enabled()):
+            with torch.inference_mode(False):
+                self.overflow_count = counter = counter.to(x.device).clone()
+        return counter
+
+    def _check_activation_dtype(self, x: torch.Tensor) -> None:
+        """Warns (once per process, through Python's warning filter) when fp32 activations reach a layer configured
+        for 16-bit compute without autocast: FastLoRA then computes in fp32, which is slow on a GPU. Skipped while
+        torch.compile traces (no side effects in a graph); the first eager call checks."""
+        if torch.compiler.is_compiling():
+            return
+        self._activations_checked = True
+        compute = self.configured_compute_dtype()
+        if x.dtype != torch.float32 or compute not in (torch.float16, torch.bfloat16):
+            return
+        if torch.is_autocast_enabled(x.device.type):
+            return
+        name = str(compute).removeprefix("torch.")
+        warnings.warn(FP32_ACTIVATIONS_WARNING.format(compute=name, compute_name=f"torch.{name}"), stacklevel=3)
+
     def _add_mixed_batch(self, result, x, adapter_names: list[str], adapters: list[str]) -> torch.Tensor:
         """Adds each sample's own adapter (``adapter_names[i]``; ``"__base__"`` means none) to ``result``."""
         for adapter in adapters:
@@ -202,7 +290,7 @@ class FastLoraLayer(nn.Module, LoraLayer):
             result[rows] += self._lora_delta(x[rows], adapter, result.dtype)
         return result
 
-    # ---- merging -------------------------------------------------------------------------------------------------
+    # ---- merging -----------------------------------------------------------------------------------------------------
     def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
         """Merges adapters into the quantized weight by requantizing it (lossy; warns).
 
@@ -235,8 +323,6 @@ class FastLoraLayer(nn.Module, LoraLayer):
 
         Lossless up to that dtype's rounding: nothing is requantized.
         """
-        from .dtypes import layer_compute_dtype
-
         base = self.get_base_layer()
         # The merged layer must take the activations the model feeds it: the model's dtype when known.
         model_dtype = getattr(self, "model_dtype", None)
@@ -245,8 +331,8 @@ class FastLoraLayer(nn.Module, LoraLayer):
         if self.merged:  # the quantized weight already contains these; take them out first
             for adapter in self.merged_adapters:
                 weight = weight - self.get_delta_weight(adapter)
-        names = adapter_names if adapter_names is not None else [a for a in self.active_adapters if a in self.lora_A]
-        for adapter in names:
+        names = adapter_names if adapter_names is not None else self.active_adapters
+        for adapter in (a for a in names if a in self.lora_A):  # an adapter need not target every layer
             weight = weight + self.get_delta_weight(adapter)
         linear = nn.Linear(self.in_features, self.out_features, bias=base.bias is not None, device=weight.device,
                            dtype=dtype)

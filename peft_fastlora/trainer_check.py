@@ -94,10 +94,23 @@ def check_fp16_training(model: nn.Module) -> None:
     raise ValueError(
         f"fp16 mixed-precision training needs fp32 trainable parameters, but {len(names)} are not: {shown}{more} "
         f"({policy}). torch's GradScaler cannot unscale fp16 gradients, nor "
-        "bf16 gradients on CUDA, and would fail at the first optimizer step. Fix: use "
-        "`FastLoraConfig(adapter_dtype='fp32-if-fp16')` (the default) on a model whose compute dtype is fp16 "
-        "(`dtype=torch.float16`, `bnb_4bit_compute_dtype=torch.float16`), or "
-        "`adapter_dtype='fp32'` for any model; or train in bf16 (`bf16=True`) instead of fp16."
+        f"bf16 gradients on CUDA, and would fail at the first optimizer step. {_fix(policies)}"
+    )
+
+
+def _fix(policies: list[str]) -> str:
+    """The fixes for [`check_fp16_training`], leaving out the policy the user already has."""
+    if policies == ["fp32-if-fp16"]:
+        return (
+            "'fp32-if-fp16' gives fp32 adapters only to layers that compute in fp16, and these compute in bf16 "
+            "(`bnb_4bit_compute_dtype=torch.bfloat16`, or a bf16 model). Fix: load the model with fp16 compute "
+            "(`dtype=torch.float16`, `bnb_4bit_compute_dtype=torch.float16`), or use `adapter_dtype='fp32'`; or "
+            "train in bf16 (`bf16=True`) instead of fp16."
+        )
+    return (
+        "Fix: use `FastLoraConfig(adapter_dtype='fp32-if-fp16')` (the default) on a model whose compute dtype is fp16 "
+        "(`dtype=torch.float16`, `bnb_4bit_compute_dtype=torch.float16`), or `adapter_dtype='fp32'` for any model; "
+        "or train in bf16 (`bf16=True`) instead of fp16."
     )
 
 
@@ -111,6 +124,19 @@ def _first_trainable_device_type(model: nn.Module) -> Optional[str]:
         if param.requires_grad:
             return param.device.type
     return None
+
+
+def _fp16_check_hook(module: nn.Module, args) -> None:
+    # A module-level function, not a closure: a model holding the hook must stay picklable (torch.save(model),
+    # multiprocessing spawn, Ray, joblib), as stock PEFT models are.
+    if not (module.training and torch.is_grad_enabled()):
+        return
+    device_type = _first_trainable_device_type(module)
+    try:
+        if device_type is not None and fp16_autocast_active(device_type):
+            check_fp16_training(module)
+    finally:
+        remove_fp16_autocast_check(module)
 
 
 def register_fp16_autocast_check(model: nn.Module) -> RemovableHandle:
@@ -128,18 +154,7 @@ def register_fp16_autocast_check(model: nn.Module) -> RemovableHandle:
     existing = getattr(model, _HANDLE_ATTR, None)
     if existing is not None:
         return existing
-
-    def hook(module: nn.Module, args) -> None:
-        if not (module.training and torch.is_grad_enabled()):
-            return
-        device_type = _first_trainable_device_type(module)
-        try:
-            if device_type is not None and fp16_autocast_active(device_type):
-                check_fp16_training(module)
-        finally:
-            remove_fp16_autocast_check(module)
-
-    handle = model.register_forward_pre_hook(hook)
+    handle = model.register_forward_pre_hook(_fp16_check_hook)
     setattr(model, _HANDLE_ATTR, handle)
     return handle
 

@@ -56,3 +56,14 @@ def test_data_driven_inits_are_rejected(init):
 @pytest.mark.parametrize("init", [True, False, "gaussian", "orthogonal"])
 def test_plain_inits_are_accepted(init):
     assert FastLoraConfig(init_lora_weights=init).init_lora_weights == init
+
+
+@pytest.mark.parametrize("kwargs, what", [
+    (dict(init_lora_weights="loftq", loftq_config={"loftq_bits": 4}), "init_lora_weights"),
+    (dict(init_lora_weights="loftq"), "init_lora_weights"),  # LoraConfig alone would ask for a loftq_config
+    (dict(use_bdlora=True), "BD-LoRA"),  # LoraConfig alone raises a TypeError about the sub-config type
+])
+def test_unsupported_lora_features_fail_with_our_error_first(kwargs, what):
+    with pytest.raises(ValueError, match=rf"FastLoraConfig (does not support|supports).*{what}") as info:
+        FastLoraConfig(r=4, target_modules=["q_proj"], **kwargs)
+    assert "peft.LoraConfig" in str(info.value)

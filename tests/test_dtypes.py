@@ -1,6 +1,7 @@
 import bitsandbytes as bnb
 import pytest
 import torch
+from torch import nn
 
 from peft_fastlora.dtypes import layer_compute_dtype, resolve_adapter_dtype
 
@@ -47,3 +48,22 @@ def test_8bit_compute_dtype_is_the_model_dtype(model_dtype):
 
 def test_plain_layer_uses_its_weight_dtype():
     assert layer_compute_dtype(torch.nn.Linear(4, 4, dtype=FP16), model_dtype=FP32) == FP16
+
+
+def test_multihead_attention_adapters_follow_the_layer_dtype():
+    """A layer without a `weight` (nn.MultiheadAttention) resolves the policy against its own parameters' dtype, not
+    the model's (here: a bf16 attention in an fp32 model gives bf16 adapters under fp32-if-fp16)."""
+    from peft import get_peft_model
+
+    import peft_fastlora
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+            self.mha = nn.MultiheadAttention(16, 2, dtype=BF16)
+
+    model = get_peft_model(Block(), peft_fastlora.FastLoraConfig(r=4, target_modules=["mha"]))
+    assert layer_compute_dtype(model.base_model.model.mha.get_base_layer(), FP32) == BF16
+    dtypes = {p.dtype for n, p in model.named_parameters() if "lora_" in n}
+    assert dtypes == {BF16}

@@ -1,5 +1,7 @@
 """FastLoRA layers over bitsandbytes layers: dispatch, forward math and dtypes, gradients, adapters API."""
 
+import warnings
+
 import bitsandbytes as bnb
 import pytest
 import torch
@@ -10,7 +12,8 @@ from torch import nn
 import peft_fastlora
 from peft_fastlora.bnb import FastLoraLinear4bit, FastLoraLinear8bit
 from peft_fastlora.ops.reference import dequantize_ref
-from tests.utils import load_quantized
+from tests.utils import fast_config as shared_fast_config
+from tests.utils import load_quantized, logits, tokens
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # (activation dtype, atol, rtol) against an fp32 computation on the same dequantized weights: fp32 is exact up to
@@ -19,9 +22,7 @@ ACT_TOLS = [(FP32, 1e-5, 1e-5), (FP16, 2e-3, 2e-3), (BF16, 2e-2, 2e-2)]
 
 
 def fast_config(**kwargs):
-    return peft_fastlora.FastLoraConfig(
-        **{"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "init_lora_weights": False, **kwargs}
-    )
+    return shared_fast_config(**{"init_lora_weights": False, "task_type": None, **kwargs})
 
 
 @pytest.fixture(params=["nf4", "fp4", "nf4-dq", "int8"])
@@ -176,8 +177,8 @@ def test_outside_cast_is_restored_with_a_warning(tiny_llama_path):
 def test_4bit_weight_repacked_by_bnb_cpu_inference_is_restored(tiny_llama_path):
     base = quantized(tiny_llama_path, "nf4", compute=FP32, dtype=FP32)
     layer = base.model.layers[0].self_attn.q_proj  # in 64 x out 64: bnb's CPU repacking applies
-    reference = dequantize_ref(peft_fastlora.bnb_weights.packed4bit_from_bnb(layer.weight.data,
-                                                                             layer.weight.quant_state), FP32)
+    reference = dequantize_ref(peft_fastlora.bnb.packed4bit_from_bnb(layer.weight.data, layer.weight.quant_state),
+                               FP32)
     if not layer.support_avx512bf16_for_cpu:
         pytest.skip("bitsandbytes only repacks on CPUs with AVX512-BF16")
     base.eval()
@@ -212,3 +213,50 @@ def test_weight_container_is_reused_and_dropped_on_move(tiny_llama_path):
     layer.to("cpu")
     assert WEIGHT_CACHE not in layer.__dict__
     assert layer.quantized_weight() is not first
+    second = layer.quantized_weight()
+    layer.invalidate_weight_cache()
+    assert layer.quantized_weight() is not second
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_8bit_scales_are_read_from_the_layer_state_after_a_bnb_forward(tiny_llama_path, device):
+    """bitsandbytes moves the row scales from `weight.SCB` to `layer.state.SCB` at a Linear8bitLt's first forward."""
+    base = load_quantized(tiny_llama_path, dtype=FP16, bits=8, device=device)
+    with torch.no_grad():
+        base(input_ids=tokens().to(device))  # e.g. a baseline generate before wrapping
+    bnb_layer = base.model.layers[0].mlp.down_proj
+    assert getattr(bnb_layer.weight, "SCB", None) is None and bnb_layer.state.SCB is not None
+    expected = (bnb_layer.weight.data.float() * bnb_layer.state.SCB.float()[:, None] / 127).cpu()
+    model = get_peft_model(base, fast_config())
+    layer = first_layer(model)
+    torch.testing.assert_close(dequantize_ref(layer.quantized_weight(), FP32).cpu(), expected, atol=1e-6, rtol=1e-6)
+    out = logits(model)
+    assert out.isfinite().all()
+
+
+def test_fp32_activations_into_16bit_compute_warn_once_with_the_fix(tiny_llama_path):
+    """prepare_model_for_kbit_training upcasts norms and embeddings: 4-bit layers then get fp32 activations."""
+    from peft import prepare_model_for_kbit_training
+
+    base = prepare_model_for_kbit_training(quantized(tiny_llama_path, "nf4", compute=BF16, dtype=BF16),
+                                           use_gradient_checkpointing=False)
+    model = get_peft_model(base, fast_config())
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("default")  # Python's usual filter: one report per warning location
+        logits(model)
+        logits(model)
+    found = [str(w.message) for w in record if "receives float32 activations" in str(w.message)]
+    assert len(found) == 1 and "torch.autocast" in found[0] and "bf16=True" in found[0], found
+    assert all(m._activations_checked for m in model.modules() if isinstance(m, peft_fastlora.FastLoraLayer))
+
+
+def test_fp32_activations_under_autocast_do_not_warn(tiny_llama_path):
+    from peft import prepare_model_for_kbit_training
+
+    base = prepare_model_for_kbit_training(quantized(tiny_llama_path, "nf4", compute=BF16, dtype=BF16),
+                                           use_gradient_checkpointing=False)
+    model = get_peft_model(base, fast_config())
+    with warnings.catch_warnings(record=True) as record, torch.autocast("cpu", dtype=BF16):
+        warnings.simplefilter("always")
+        logits(model)
+    assert not [w for w in record if "receives float32 activations" in str(w.message)]

@@ -1,6 +1,8 @@
+import ast
 import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from peft import PeftConfig
@@ -53,3 +55,132 @@ def test_import_does_not_initialise_cuda():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith("ok")
+
+
+# ---- package structure -------------------------------------------------------------------------------------------
+PACKAGE = Path(peft_fastlora.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _package_modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package modules that ``name`` imports anywhere in its file (top level and inside functions)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:  # `import a.b.c` of a non-module attribute: its module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def test_import_graph_is_acyclic():
+    modules = _package_modules()
+    graph = {name: _imported_modules(name, path, modules) for name, path in modules.items()}
+    assert graph["peft_fastlora.layer"] and "peft_fastlora.bnb" in graph["peft_fastlora.distributed.prepare"]  # live
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_tuner_does_not_import_distributed():
+    modules = _package_modules()
+    tuner = ["config", "dtypes", "layer", "model", "bnb", "guard", "trainer_check", "_registry"]
+    for short in tuner:
+        name = f"peft_fastlora.{short}"
+        imported = _imported_modules(name, modules[name], modules)
+        assert not any(m.startswith("peft_fastlora.distributed") for m in imported), (name, imported)
+
+
+# ---- private PEFT API: listed once, used through the registry ------------------------------------------------------
+def _peft_private_names() -> set[str]:
+    """Single-underscore attribute names that PEFT's LoRA tuner classes (and their bases) define."""
+    from peft.tuners.lora import LoraLayer, LoraModel
+    from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+
+    names = set()
+    for cls in (LoraModel, LoraLayer, BaseTuner, BaseTunerLayer):
+        for klass in cls.__mro__:
+            if klass.__module__.startswith("peft"):
+                names |= {n for n in vars(klass) if n.startswith("_") and not n.startswith("__")}
+    return names
+
+
+def test_every_private_peft_symbol_used_is_listed_in_the_registry():
+    listed = {s.owner.rpartition(".")[2] for s in _registry.PRIVATE_PEFT_API}
+    private = _peft_private_names()
+    used = {}
+    for name, path in _package_modules().items():
+        if name == "peft_fastlora._registry":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("peft"):
+                for alias in node.names:
+                    assert not alias.name.startswith("_") and alias.name not in listed, (
+                        f"{name} imports {node.module}.{alias.name}: go through peft_fastlora._registry"
+                    )
+            attr = node.attr if isinstance(node, ast.Attribute) else getattr(node, "name", None)
+            if isinstance(node, (ast.Attribute, ast.FunctionDef)) and attr in private:
+                used.setdefault(attr, set()).add(name)
+    unlisted = {attr: mods for attr, mods in used.items() if attr not in listed}
+    assert not unlisted, f"private PEFT names used outside _registry without a PRIVATE_PEFT_API entry: {unlisted}"
+    assert {"_create_new_module", "_cast_adapter_dtype", "_move_adapter_to_device_of_base_layer"} <= set(used)
+
+
+def test_every_listed_symbol_resolves():
+    for symbol in _registry.PRIVATE_PEFT_API:
+        assert _registry._resolve(symbol) is not None, symbol
+
+
+def test_a_missing_private_symbol_fails_the_check(monkeypatch):
+    from peft.tuners.lora import LoraModel
+
+    monkeypatch.delattr(LoraModel, "_create_new_module")
+    with pytest.raises(_registry.UnsupportedPeftVersionError, match=r"LoraModel\._create_new_module"):
+        _registry.check_peft_version()
+
+
+def test_peft_version_is_checked_once_at_import():
+    code = (
+        "import sys\n"
+        "calls = []\n"
+        "sys.setprofile(lambda frame, event, arg: calls.append(1)\n"
+        "               if event == 'call' and frame.f_code.co_name == 'check_peft_version' else None)\n"
+        "import peft_fastlora\n"
+        "sys.setprofile(None)\n"
+        "print(len(calls))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "1"

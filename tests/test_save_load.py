@@ -9,12 +9,12 @@ import pytest
 import torch
 from peft import AutoPeftModelForCausalLM, PeftConfig, PeftModel, get_peft_model
 from peft.tuners.lora import Linear as PeftLoraLinear
-from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 import peft_fastlora
 from peft_fastlora.bnb import FastLoraLinear4bit, FastLoraLinear8bit
-from tests.utils import bnb_config, load_quantized
+from tests.utils import adapter_tensors, assert_same_tensors, bnb_config, load_quantized, logits, tokens
+from tests.utils import fast_config as shared_fast_config
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # name -> (bnb_config kwargs, model dtype)
@@ -33,37 +33,12 @@ POLICY_TABLE = {
 
 
 def fast_config(**kwargs) -> peft_fastlora.FastLoraConfig:
-    return peft_fastlora.FastLoraConfig(
-        **{"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "task_type": "CAUSAL_LM", **kwargs}
-    )
+    return shared_fast_config(**{"r": 4, "lora_alpha": 8, **kwargs})
 
 
 def load_base(path, quant: str):
     bnb_kwargs, dtype = QUANTS[quant]
     return load_quantized(path, dtype=dtype, **bnb_kwargs)
-
-
-def tokens(rows: int = 2, seq: int = 6) -> torch.Tensor:
-    return torch.randint(0, 128, (rows, seq), generator=torch.Generator().manual_seed(7))
-
-
-@torch.no_grad()
-def logits(model, ids=None, **kwargs) -> torch.Tensor:
-    """Logits on the CPU (a CUDA machine puts bitsandbytes models on the GPU when no device_map is given)."""
-    ids = (tokens() if ids is None else ids).to(next(model.parameters()).device)
-    return model(input_ids=ids, **kwargs).logits.cpu()
-
-
-def adapter_tensors(model, adapter_name: str = "default") -> dict[str, torch.Tensor]:
-    state = get_peft_model_state_dict(model, adapter_name=adapter_name)
-    return {k: v.detach().cpu().clone() for k, v in state.items()}
-
-
-def assert_same_tensors(got: dict, expected: dict) -> None:
-    assert got.keys() == expected.keys()
-    for key, value in expected.items():
-        assert got[key].dtype == value.dtype, key
-        assert torch.equal(got[key], value), key
 
 
 def train_one_step(model) -> None:
@@ -316,3 +291,24 @@ def test_unquantized_target_gets_peft_lora_linear(tiny_llama_path, tmp_path, qua
     assert_same_tensors(adapter_tensors(loaded), adapter_tensors(model))
     assert torch.equal(logits(loaded), logits(model))
 
+
+
+@pytest.mark.parametrize("trained, loaded", [("int8-fp16", "fp4-fp16-dq"), ("fp4-fp16-dq", "int8-fp16")])
+def test_adapter_loaded_on_another_quantization_warns(tiny_llama_path, tmp_path, trained, loaded):
+    """The card records the training quantization; loading on a base with another bit width says so."""
+    get_peft_model(load_base(tiny_llama_path, trained), fast_config(init_lora_weights=False)).save_pretrained(tmp_path)
+    bits = {"int8-fp16": 8, "fp4-fp16-dq": 4}
+    with pytest.warns(UserWarning, match=rf"trained on a {bits[trained]}-bit base model .* is {bits[loaded]}-bit"):
+        PeftModel.from_pretrained(load_base(tiny_llama_path, loaded), tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        PeftModel.from_pretrained(load_base(tiny_llama_path, trained), tmp_path)
+
+
+def test_ungathered_zero3_style_save_warns(tiny_llama_path, tmp_path):
+    """PEFT's check for lora tensors saved as un-gathered shards (1-D / empty) runs for FASTLORA as for LORA."""
+    model = get_peft_model(load_base(tiny_llama_path, "nf4-bf16"), fast_config())
+    name, param = next((n, p) for n, p in model.named_parameters() if "lora_A" in n)
+    param.data = torch.empty(0, dtype=param.dtype)  # what a ZeRO-3 partitioned parameter looks like outside a gather
+    with pytest.warns(UserWarning, match=r"LoRA tensor\(s\) have invalid shape.*ZeRO-3 / FSDP"):
+        model.save_pretrained(tmp_path)

@@ -1,9 +1,10 @@
-"""Builders for tiny random models (no downloads) shared by the tests."""
+"""The shared test helpers: tiny random models (no downloads), quantized loading, FastLoRA configs, tokens, logits and
+adapter tensors. Test modules import from here rather than keeping their own copies."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
@@ -46,7 +47,49 @@ def bnb_config(
 
 
 def load_quantized(path: Path, dtype: torch.dtype = torch.bfloat16, quantization: Optional[BitsAndBytesConfig] = None,
-                   **bnb_kwargs):
-    """Loads the model at ``path`` quantized with bitsandbytes (default: 4-bit nf4, bf16 compute)."""
+                   device: Optional[Union[str, int, torch.device]] = None, **bnb_kwargs):
+    """Loads the model at ``path`` quantized with bitsandbytes (default: 4-bit nf4, bf16 compute).
+
+    ``device`` places it with an explicit ``device_map`` (without one, transformers puts a bitsandbytes model on the
+    GPU when there is one).
+    """
     quantization = quantization or bnb_config(**bnb_kwargs)
-    return AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=dtype)
+    placement = {} if device is None else {"device_map": {"": device}}
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=dtype, **placement)
+
+
+def fast_config(**overrides):
+    """A ``FastLoraConfig`` on every linear layer: r=8, lora_alpha=16, CAUSAL_LM, unless ``overrides`` say otherwise."""
+    import peft_fastlora
+
+    return peft_fastlora.FastLoraConfig(
+        **{"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "task_type": "CAUSAL_LM", **overrides}
+    )
+
+
+def tokens(rows: int = 2, seq: int = 6, seed: int = 7) -> torch.Tensor:
+    """Fixed random token ids for the tiny Llama's vocabulary."""
+    return torch.randint(0, TINY_LLAMA["vocab_size"], (rows, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def logits(model, ids: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
+    """Logits on the CPU for ``ids`` (default: [`tokens`]), run on the model's device."""
+    ids = (tokens() if ids is None else ids).to(next(model.parameters()).device)
+    return model(input_ids=ids, **kwargs).logits.cpu()
+
+
+def adapter_tensors(model, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+    """The adapter's tensors as PEFT saves them (``get_peft_model_state_dict``), detached copies on the CPU."""
+    from peft.utils import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+
+def assert_same_tensors(got: dict, expected: dict) -> None:
+    """Same keys, dtypes and values (bit for bit)."""
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert got[key].dtype == value.dtype, key
+        assert torch.equal(got[key], value), key

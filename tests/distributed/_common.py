@@ -15,7 +15,7 @@ A *scenario* is a name made of dash-separated tokens, e.g. ``"fp32-gc-mts"``:
 - ``nan``: FSDP2's float copies rewrite every 16-bit word that reads as a NaN to the canonical NaN, as CUDA's do
   (a CPU simulation, see ``fsdp_worker.cuda_nan_rewrite``);
 - ``v1``: ``prepare_for_fsdp(fsdp_version=1)`` (FSDP1's rule: packed weights stay floats) before ``fully_shard``,
-  the FSDP2 path before the fix: a control whose packed bytes must change under ``nan`` or on CUDA.
+  FSDP2 without the uint8 view: a control whose packed bytes must change under ``nan`` or on CUDA.
 
 Every run trains ``STEPS`` SGD steps on the same global batches; rank ``r`` of ``W`` takes rows
 ``[r * G / W, (r + 1) * G / W)`` of each global batch, so DDP/FSDP (which average gradients) and one process on the
@@ -99,31 +99,23 @@ def set_kernel_path(scenario: Scenario, device: torch.device) -> None:
 
 
 def load_base(model_path: str, scenario: Scenario, device: torch.device):
-    from transformers import AutoModelForCausalLM
-
-    from tests.utils import bnb_config
+    from tests.utils import load_quantized
 
     storage = scenario.dtype if scenario.float_storage else torch.uint8
-    quantization = bnb_config(compute_dtype=scenario.dtype, quant_storage=storage)
-    return AutoModelForCausalLM.from_pretrained(
-        model_path, quantization_config=quantization, dtype=scenario.dtype, device_map={"": device}
-    )
+    return load_quantized(model_path, dtype=scenario.dtype, device=device, compute_dtype=scenario.dtype,
+                          quant_storage=storage)
 
 
 def build_model(model_path: str, scenario: Scenario, device: torch.device):
     """The FastLoRA PEFT model of ``scenario``, with the same adapter initialization on every process."""
     from peft import get_peft_model
 
-    import peft_fastlora
+    from tests.utils import fast_config
 
     base = load_base(model_path, scenario, device)
     torch.manual_seed(SEED)
-    config = peft_fastlora.FastLoraConfig(
-        r=8,
-        lora_alpha=16,
+    config = fast_config(  # r=8, lora_alpha=16, every linear layer
         lora_dropout=0.0,
-        target_modules="all-linear",
-        task_type="CAUSAL_LM",
         adapter_dtype=scenario.adapter_dtype,
         modules_to_save=["lm_head"] if scenario.modules_to_save else None,
     )
@@ -175,9 +167,9 @@ def adapter_tensors(model) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    from peft_fastlora.distributed import _unwrap
+    from peft_fastlora.distributed import unwrap
 
-    state = get_peft_model_state_dict(_unwrap(model))
+    state = get_peft_model_state_dict(unwrap(model))
     out = {}
     for key, value in sorted(state.items()):
         if isinstance(value, DTensor):

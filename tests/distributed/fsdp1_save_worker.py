@@ -62,7 +62,7 @@ def run_scenario(model_path: str, scenario: C.Scenario, device: torch.device, ra
 
 
 def main() -> None:
-    faulthandler.dump_traceback_later(150, exit=True)  # a rank-0-only collective in the save used to hang
+    faulthandler.dump_traceback_later(150, exit=True)  # a rank-0-only collective in the save would hang
     C.worker_main("fsdp1-save", run_scenario, "bf16-st-a32-gc-mts")
 
 

@@ -119,10 +119,10 @@ def watch_packed_bytes(model) -> dict:
     """Records, on the first forward of every 4-bit layer after sharding, how many bytes of the all-gathered packed
     weight differ from the bytes it had before ``fully_shard``.
 
-    Before the fix, on the GPUs (torch 2.11), FSDP2's all-gather copy-in (``torch._foreach_copy_`` in the storage
-    dtype, used when all parameters of a unit share one dtype) rewrote every 16-bit word of packed 4-bit codes that
-    reads as a NaN to the canonical NaN; ``cuda_nan_rewrite`` does the same on CPU. Must stay 0 (except in a ``v1``
-    control).
+    On CUDA, FSDP2's all-gather copy-in (``torch._foreach_copy_`` in the storage dtype, used when all parameters of
+    a unit share one float dtype) rewrites every 16-bit word of packed 4-bit codes that reads as a NaN to the
+    canonical NaN, unless the packed weights are uint8 (``prepare_for_fsdp``); ``cuda_nan_rewrite`` does the same on
+    CPU. Must stay 0 (except in a ``v1`` control).
     """
     from peft_fastlora.bnb import FastLoraLinear4bit
 

@@ -30,7 +30,7 @@ def _result_line(kind: str, name: str, r: dict) -> str:
         details.append(f"packed bytes changed {packed.get('changed_bytes')}/{packed.get('bytes')}"
                        + (f", {packed['ignored_params']} weights not sharded" if packed.get("ignored_params") else ""))
     if r.get("control"):
-        details.append("control: PASS means the pre-fix path did corrupt the packed bytes")
+        details.append("control: PASS means FSDP2 without the uint8 view did corrupt the packed bytes")
     if "replicas_identical" in r:
         details.append(f"replicas identical={r['replicas_identical']}")
     for key in ("save_init", "save_trained"):

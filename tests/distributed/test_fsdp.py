@@ -5,7 +5,8 @@ read the all-gathered 4-bit weight in their forward (its ``quant_state`` re-atta
 Checks per scenario: no error, the adapters after training equal a single-process run's (within tolerance),
 ``peft_fastlora.distributed.save_adapter`` writes the same files and tensors as a single-process ``save_pretrained``
 (bit for bit before training), and the all-gathered packed 4-bit bytes are the bytes that were sharded, also under a
-CPU simulation of CUDA's NaN-rewriting float copies (``nan``), which the pre-fix path (``v1``) must fail.
+CPU simulation of CUDA's NaN-rewriting float copies (``nan``), under which FSDP2 without the uint8 view (``v1``)
+must fail.
 """
 
 
@@ -20,7 +21,8 @@ from tests.distributed import _launch as L
 SCENARIOS = ["fp32-a32", "bf16-st-a32-mp-gc-mts-nan"]
 # lora_A / lora_B as FSDP units of their own (what PEFT's fsdp_auto_wrap_policy does; the Trainer installs it).
 ADAPTER_UNITS = "fp32-st-leaf"
-# The path before the fix (packed weights left as bf16 floats, FSDP1's rule) under the same simulation: must corrupt.
+# FSDP2 without the uint8 view (packed weights left as bf16 floats, FSDP1's rule) under the same simulation: must
+# corrupt, so the scenarios above can fail.
 CONTROL = "bf16-st-mp-nan-v1"
 
 
@@ -47,7 +49,7 @@ def test_fsdp2_matches_single_process(fsdp_results, scenario):
     assert C.meaningful(result, C.Scenario.parse(scenario).tolerance), "training barely moved the adapters"
     assert result["save_init"]["ok"] and result["save_init"]["values"]["exact"], result["save_init"]
     assert result["save_trained"]["ok"] and result["save_trained"]["values"]["exact_to_model"], result["save_trained"]
-    # The all-gathered packed 4-bit bytes are the bytes that were sharded (before the fix, on the GPUs, they were not).
+    # The all-gathered packed 4-bit bytes are the bytes that were sharded.
     packed = result["packed_bytes"]
     assert packed["layers"] > 0 and packed["changed_bytes"] == 0, packed
 

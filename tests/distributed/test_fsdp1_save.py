@@ -1,10 +1,11 @@
 """FSDP1 (``FullyShardedDataParallel``) save on CPU with gloo, 2 processes, the way the HF Trainer saves under
 accelerate's FSDP1 plugin (see ``fsdp1_save_worker``).
 
-Before the fix, PEFT matched the tuner layers' module names, which under nested FSDP1 units read
-``...layers.0._fsdp_wrapped_module.self_attn.q_proj``, against the gathered keys ``...layers.0.self_attn.q_proj...``:
-the adapter file held only ``lm_head`` (as on 2x H200); and reading the FSDP1 ``modules_to_save`` unit's
-``state_dict()`` on rank 0 alone hung.
+PEFT matches the tuner layers' module names, which under nested FSDP1 units read
+``...layers.0._fsdp_wrapped_module.self_attn.q_proj``, against the gathered keys ``...layers.0.self_attn.q_proj...``,
+and reads the FSDP1 ``modules_to_save`` unit's ``state_dict()`` (a collective) on rank 0 alone. Without FastLoRA's
+two save fixes (``_registry.hook_adapter_state_dict``, ``distributed.fsdp1_module_state_from``) the adapter file
+holds only ``lm_head``, or the save hangs.
 """
 
 from tests.distributed import _common as C

@@ -10,18 +10,14 @@ from peft import get_peft_model
 from torch import nn
 
 import peft_fastlora
-import peft_fastlora.distributed as D
-from peft_fastlora.bnb import FastLoraLinear4bit
+import peft_fastlora.distributed.prepare as D
+from peft_fastlora.bnb import FastLoraLinear4bit, restore_quant_state
 from peft_fastlora.distributed import (
     FSDPConfigError,
     fsdp2_ignored_params,
-    fsdp_owns_adapter_dtypes,
-    fsdp_wraps_adapters,
-    install_quant_state_hooks,
-    maybe_prepare_for_fsdp,
     prepare_for_fsdp,
+    prepare_if_launched,
     resolve_fsdp_version,
-    restore_quant_state,
     save_adapter,
 )
 from tests.utils import load_quantized
@@ -128,7 +124,7 @@ def test_fsdp2_views_packed_weights_as_bytes(tiny_llama_path, caplog, storage):
                if isinstance(m, FastLoraLinear4bit))
     assert all(torch.equal(a, b) for a, b in zip(_packed_bytes(model), before))
     assert _trainable_dtypes(model) == {torch.float32}
-    assert all(fsdp_owns_adapter_dtypes(m) for m in model.modules() if isinstance(m, FastLoraLinear4bit))
+    assert all(m.fsdp2_prepared for m in model.modules() if isinstance(m, FastLoraLinear4bit))
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=0, rtol=0)
 
@@ -210,7 +206,7 @@ def test_fsdp2_unquantized_layer_fails_before_changing_anything(tiny_llama_path)
 
 
 def test_prepare_for_fsdp_raises_no_warning_for_either_version(tiny_llama_path):
-    """The FSDP1 Trainer-save warning went once the fix passed on 2 GPUs (docs/distributed.md); nothing else warns."""
+    """Preparing a well-formed model warns about nothing, for either version."""
     for version in (1, 2):
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)
@@ -245,7 +241,7 @@ def test_fsdp1_adapters_take_storage_dtype_with_one_log_line(tiny_llama_path, ca
     assert "adapter_dtype='fp32'" in messages[0] and "torch.float32" in messages[0] and "torch.bfloat16" in messages[0]
     layer = _first_4bit_layer(model)
     assert set(layer.adapter_dtypes.values()) == {torch.bfloat16}
-    assert not fsdp_owns_adapter_dtypes(layer)
+    assert not layer.fsdp2_prepared
 
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger=LOGGER):
@@ -290,6 +286,7 @@ def _fsdp_style_weight(base: nn.Module, dtype=None) -> None:
 
 @pytest.mark.parametrize("version", [None, 2])
 def test_quant_state_is_restored_after_fsdp_style_replacement(tiny_llama_path, version):
+    """The layer itself puts bitsandbytes' quant_state back on FSDP's plain weight (no hook needed)."""
     model = _peft_model(tiny_llama_path)
     if version is not None:
         prepare_for_fsdp(model, fsdp_version=version)  # the all-gathered weight is then uint8
@@ -298,8 +295,6 @@ def test_quant_state_is_restored_after_fsdp_style_replacement(tiny_llama_path, v
     expected = layer(x)
     _fsdp_style_weight(layer.get_base_layer())
     assert getattr(layer.get_base_layer().weight, "quant_state", None) is None
-    assert (install_quant_state_hooks(model) > 0) is (version is None)  # prepare_for_fsdp installs them
-    assert install_quant_state_hooks(model) == 0  # once only
     assert layer.get_base_layer().weight.dtype == (torch.bfloat16 if version is None else torch.uint8)
     torch.testing.assert_close(layer(x), expected, atol=0, rtol=0)
 
@@ -313,21 +308,37 @@ def test_restore_quant_state_rejects_cast_bytes(tiny_llama_path):
 
 
 @pytest.mark.parametrize("env_version", [None, "1", "2"])
-def test_maybe_prepare_for_fsdp_follows_accelerate_env(tiny_llama_path, no_accelerate_env, env_version):
+def test_prepare_if_launched_follows_accelerate_env(tiny_llama_path, no_accelerate_env, env_version, caplog):
     model = _peft_model(tiny_llama_path)
-    maybe_prepare_for_fsdp(model)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        prepare_if_launched(model)
+    assert caplog.records == []  # not launched: nothing done, nothing said
     assert _trainable_dtypes(model) == {torch.float32}
     assert all(w.dtype == torch.bfloat16 for w in _packed_weights(model))
     no_accelerate_env.setenv("ACCELERATE_USE_FSDP", "true")
     if env_version is not None:
         no_accelerate_env.setenv("FSDP_VERSION", env_version)
-    maybe_prepare_for_fsdp(model)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        prepare_if_launched(model)
+    version = 2 if env_version == "2" else 1
+    assert any(f"FSDP{version}" in r.getMessage() and "prepare_for_fsdp" in r.getMessage() for r in caplog.records)
     if env_version == "2":  # FSDP2: bytes, adapters keep the policy
         assert _trainable_dtypes(model) == {torch.float32}
         assert all(w.dtype == torch.uint8 for w in _packed_weights(model))
     else:  # FSDP1, accelerate's default: adapters take the storage dtype
         assert _trainable_dtypes(model) == {torch.bfloat16}
         assert all(w.dtype == torch.bfloat16 for w in _packed_weights(model))
+
+
+def test_get_peft_model_prepares_under_an_fsdp_launch(tiny_llama_path, no_accelerate_env, caplog):
+    """Under `accelerate launch` with FSDP the tuner runs the launch hook after adding the adapter, and logs it."""
+    no_accelerate_env.setenv("ACCELERATE_USE_FSDP", "true")
+    no_accelerate_env.setenv("FSDP_VERSION", "2")
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        model = _peft_model(tiny_llama_path)
+    assert any("prepare_for_fsdp" in r.getMessage() for r in caplog.records)
+    assert all(w.dtype == torch.uint8 for w in _packed_weights(model))
+    assert all(m.fsdp2_prepared for m in model.modules() if isinstance(m, FastLoraLinear4bit))
 
 
 def test_save_adapter_matches_save_pretrained(tiny_llama_path, tmp_path):
@@ -340,9 +351,9 @@ def test_save_adapter_matches_save_pretrained(tiny_llama_path, tmp_path):
     assert result["ok"] and result["values"]["exact"], result
 
 
-def test_fsdp_wraps_adapters_is_false_without_fsdp(tiny_llama_path):
+def test_adapters_are_not_fsdp_units_without_fsdp(tiny_llama_path):
     model = _peft_model(tiny_llama_path)
-    assert not fsdp_wraps_adapters(_first_4bit_layer(model), ["default"])
+    assert not _first_4bit_layer(model).adapters_are_fsdp_units(["default"])
 
 
 def test_off_device_tensors_names_stray_buffers():
@@ -355,43 +366,3 @@ def test_off_device_tensors_names_stray_buffers():
     assert C.off_device_tensors(module, torch.device("cpu")) == []
     module.register_buffer("counter", torch.zeros((), device="meta"))
     assert C.off_device_tensors(module, torch.device("cpu")) == ["counter (meta)"]
-
-
-# ---- saving a state dict with FSDP1 wrapper names -----------------------------------------------------------------
-
-
-def _wrapped_like_fsdp1(state_dict: dict) -> dict:
-    """Keys as a full FSDP1 state dict names them when every lora_A / lora_B is a nested FSDP unit and the decoder
-    layers are checkpoint-wrapped units: the wrapper segments sit in the middle of the key."""
-    out = {}
-    for key, value in state_dict.items():
-        for part in (".lora_A.", ".lora_B."):
-            key = key.replace(part, "._fsdp_wrapped_module" + part)
-        out[key.replace(".layers.0.", ".layers.0._checkpoint_wrapped_module.")] = value
-    return out
-
-
-def test_save_pretrained_cleans_fsdp1_wrapper_names(tiny_llama_path, tmp_path):
-    from safetensors.torch import load_file
-
-    model = _peft_model(tiny_llama_path, modules_to_save=["lm_head"])
-    for name, param in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(param)  # not zeros: the comparison must see real values
-    model.save_pretrained(tmp_path / "plain")
-    dirty = _wrapped_like_fsdp1(model.state_dict())
-    assert sum("_fsdp_wrapped_module" in k for k in dirty) > 0
-    model.save_pretrained(tmp_path / "fsdp1", state_dict=dirty)
-    plain = load_file(tmp_path / "plain/adapter_model.safetensors")
-    cleaned = load_file(tmp_path / "fsdp1/adapter_model.safetensors")
-    assert sorted(cleaned) == sorted(plain) and any("lora_A" in k for k in cleaned)
-    assert all(torch.equal(cleaned[k], plain[k]) for k in plain)
-
-
-def test_clean_wrapper_keys_is_a_no_op_without_wrappers():
-    from peft_fastlora.distributed import clean_wrapper_keys
-
-    state = {"base_model.model.lm_head.weight": torch.randn(2)}
-    assert clean_wrapper_keys(state) is state
-    dirty = {"a._fsdp_wrapped_module.b._checkpoint_wrapped_module.c.lora_A.weight": 1}
-    assert clean_wrapper_keys(dirty) == {"a.b.c.lora_A.weight": 1}

@@ -12,15 +12,14 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from transformers import AutoModelForCausalLM
 
 import peft_fastlora
-from peft_fastlora import FastLoraConfig, FastLoraLayer
+from peft_fastlora import FastLoraLayer
 from peft_fastlora.layer import RECAST_WARNING
 from peft_fastlora.ops.reference import lora_linear_ref
-from tests.utils import bnb_config, load_quantized
+from tests.utils import TINY_LLAMA, fast_config, load_quantized
 
-VOCAB = 128  # tests.utils.TINY_LLAMA vocab_size
+VOCAB = TINY_LLAMA["vocab_size"]
 SEQ = 16
 RECAST_MARK = RECAST_WARNING.split("{", 1)[0]  # "FastLoRA adapter weights of '"
 # bitsandbytes' native CPU dequantize_4bit is wrong when in_features is not a multiple of 64 (tests/utils' tiny Llama
@@ -31,18 +30,14 @@ BNB_CPU_SAFE_INTERMEDIATE = 128
 
 def load(path: Path, dtype: torch.dtype, device: str = "cpu", bits: int = 4, **bnb_kwargs):
     """A tiny quantized model on ``device`` (``bits`` 4 or 8; ``bnb_kwargs`` as ``tests.utils.bnb_config``)."""
-    if device == "cpu":
-        return load_quantized(path, dtype=dtype, bits=bits, **bnb_kwargs)
-    quantization = bnb_config(bits=bits, **bnb_kwargs)
     index = torch.device(device).index
-    return AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=dtype,
-                                                device_map={"": 0 if index is None else index})
+    placement = None if device == "cpu" else (0 if index is None else index)
+    return load_quantized(path, dtype=dtype, bits=bits, device=placement, **bnb_kwargs)
 
 
 def fastlora(model, **config):
-    """``get_peft_model`` with a FastLoRA adapter on every linear layer (r=8, alpha=16 unless given)."""
-    kwargs = dict(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
-    return get_peft_model(model, FastLoraConfig(**{**kwargs, **config}))
+    """``get_peft_model`` with ``tests.utils.fast_config`` (every linear layer, r=8, alpha=16 unless given)."""
+    return get_peft_model(model, fast_config(**config))
 
 
 def stock_lora(model, autocast_adapter_dtype: bool = True, **config):

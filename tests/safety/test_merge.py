@@ -24,8 +24,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from peft_fastlora import FastLoraLayer
-from peft_fastlora.bnb_weights import packed4bit_from_bnb
+from peft_fastlora import FastLoraConfig, FastLoraLayer
+from peft_fastlora.bnb import packed4bit_from_bnb
 from peft_fastlora.layer import LOSSY_MERGE_WARNING
 from peft_fastlora.ops.reference import dequantize_ref
 
@@ -213,3 +213,21 @@ def test_dequantized_merge_saves_and_loads(tiny_llama_path, tmp_path, bits):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dequantized_merge_of_an_adapter_that_skips_some_layers(tiny_llama_path, bits):
+    """`merge_and_unload(dequantize=True, adapter_names=[...])` with an adapter on q_proj only: the other FastLoRA
+    layers (created by another adapter) merge nothing for it, as PEFT's requantizing merge does."""
+    model = fastlora(load(tiny_llama_path, torch.float32, bits=bits, compute_dtype=torch.float32),
+                     init_lora_weights=False)
+    model.add_adapter("partial", FastLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False))
+    model.set_adapter("partial")
+    ids = random_batch(2)
+    with torch.no_grad():
+        expected = model(ids).logits
+    merged = model.merge_and_unload(dequantize=True, adapter_names=["partial"])
+    assert not any(isinstance(m, FastLoraLayer) for m in merged.modules())
+    with torch.no_grad():
+        got = merged(ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

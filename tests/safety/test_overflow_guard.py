@@ -106,3 +106,18 @@ def test_guard_passes_finite_values_unchanged(tiny_llama_path):
     torch.testing.assert_close(logits_on, logits_off, atol=0, rtol=0)
     for name, grad in grads_off.items():
         torch.testing.assert_close(grads_on[name], grad, atol=0, rtol=0)
+
+
+def test_guard_counts_on_a_model_built_under_inference_mode(overflow_llama_path):
+    """A counter created under `torch.inference_mode()` is an inference tensor; updating it outside would raise."""
+    with torch.inference_mode():
+        model = _fp16_model(overflow_llama_path, "cpu", guard=True)
+    ids = random_batch(2)
+    with torch.no_grad():
+        model(ids)
+    assert sum(peft_fastlora.overflow_report(model).values()) > 0
+    before = sum(peft_fastlora.overflow_report(model).values())
+    with torch.inference_mode():
+        model(ids)  # and back inside it
+    model(ids)  # and outside again, with grad mode on
+    assert sum(peft_fastlora.overflow_report(model).values()) > before

@@ -251,3 +251,13 @@ def test_default_policy_gives_fp32_adapters_when_activations_are_fp16(tiny_llama
     """fp16 model, ``bnb_4bit_compute_dtype=bf16``: the layers compute in fp16, so the default policy must give fp32."""
     model = fastlora(load(tiny_llama_path, torch.float16, CPU, compute_dtype=torch.bfloat16))
     assert {p.dtype for p in trainable(model).values()} == {torch.float32}
+
+
+def test_fp16_check_does_not_recommend_the_policy_in_use(tiny_llama_path):
+    """fp32-if-fp16 on a bf16-compute model gives bf16 adapters: the error explains why and suggests other fixes."""
+    model = fastlora(load(tiny_llama_path, torch.bfloat16, compute_dtype=torch.bfloat16))
+    with pytest.raises(ValueError) as err:
+        check_fp16_training(model)
+    message = str(err.value)
+    assert "'fp32-if-fp16' gives fp32 adapters only to layers that compute in fp16" in message
+    assert "(the default)" not in message and "adapter_dtype='fp32'" in message and "bf16=True" in message

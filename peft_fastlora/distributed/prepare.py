@@ -19,7 +19,7 @@ FSDP shards parameters. [`prepare_for_fsdp`] follows the FSDP version (``fsdp_ve
   out of FSDP2 by itself. FSDP2 needs one dtype among the *trainable* parameters of a unit, nothing else, so the
   adapters keep the ``adapter_dtype`` policy's dtype (with fp32 adapters and a bf16 ``modules_to_save`` copy, keep
   them in different units: every decoder layer its own unit, as accelerate does; a log line says so). FastLoRA layers
-  leave FSDP2's mixed-precision copies of the adapters alone ([`fsdp_owns_adapter_dtypes`]).
+  leave FSDP2's mixed-precision copies of the adapters alone (``FastLoraLayer.fsdp2_prepared``).
 - **FSDP1** (``FullyShardedDataParallel``, accelerate ``fsdp_version: 1``) flattens all parameters of a unit into one
   tensor of one dtype, and its mixed precision casts float parameters to ``param_dtype`` (the HF Trainer sets it to
   ``bnb_4bit_quant_storage``). So the packed 4-bit weights must be stored as a float dtype equal to the model dtype
@@ -28,26 +28,28 @@ FSDP shards parameters. [`prepare_for_fsdp`] follows the FSDP version (``fsdp_ve
   bytes, so it does not rewrite NaN words.
 
 Both: FSDP replaces each ``Params4bit`` by a plain all-gathered tensor, which has no ``quant_state``; bitsandbytes keeps
-the state on the module (``Linear4bit.quant_state``) and [`restore_quant_state`] puts it back before a FastLoRA layer
-reads ``weight.data`` in its forward (after FSDP's all-gather). PEFT's ``fsdp_auto_wrap_policy`` (installed by the HF
+the state on the module (``Linear4bit.quant_state``) and ``peft_fastlora.bnb.restore_quant_state`` puts it back when a
+FastLoRA layer reads its weight (after FSDP's all-gather). PEFT's ``fsdp_auto_wrap_policy`` (installed by the HF
 Trainer for PEFT models under FSDP1) makes every ``lora_A`` / ``lora_B`` a unit of its own, whose weight is gathered
-only inside that module's forward; a FastLoRA layer must then call those modules rather than read their weights
-([`fsdp_wraps_adapters`]).
+only inside that module's forward; a FastLoRA layer then calls those modules rather than read their weights
+(``FastLoraLayer.adapters_are_fsdp_units``).
+
+This module sits above the tuner (it imports the layers); nothing in the tuner imports it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import os
-from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
 import torch
+from peft.tuners.lora import LoraLayer
 from torch import nn
 
-from .dtypes import override_adapter_dtype
+from ..bnb import FastLoraLinear4bit, FastLoraLinear8bit, is_quantized_4bit, view_packed_as_bytes
+from ..dtypes import FLOAT_DTYPES, override_adapter_dtype
+from ..layer import FastLoraLayer
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +57,6 @@ FSDP_VERSIONS = (1, 2)
 DEFAULT_FSDP_VERSION = 2  # torch's current FSDP API (`fully_shard`), and transformers' default
 # torch 2.12 shards non-float parameters with FSDP2 (before, `fully_shard` made them require grad and raised).
 FSDP2_SHARDS_BYTES = torch.__version__ >= "2.12"
-FLOAT_STORAGE = (torch.float16, torch.bfloat16, torch.float32)
-_HOOK_MARK = "_peft_fastlora_fsdp_hook"
-_FSDP2_MARK = "_peft_fastlora_fsdp2"
 STORAGE_FIX = (
     "Load the model with a float `bnb_4bit_quant_storage` equal to its dtype, e.g. "
     "`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=torch.bfloat16, ...)` and `dtype=torch.bfloat16`. "
@@ -70,7 +69,8 @@ class FSDPConfigError(ValueError):
     """Raised by [`prepare_for_fsdp`] for a model that FSDP cannot shard correctly."""
 
 
-def _is_main_process() -> bool:
+def is_main_process() -> bool:
+    """Whether this is rank 0 of an initialized process group, or there is none."""
     dist = torch.distributed
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
@@ -106,57 +106,9 @@ def resolve_fsdp_version(fsdp_version: Optional[int] = None) -> int:
     return fsdp_version
 
 
-def restore_quant_state(base_layer: nn.Module) -> None:
-    """Re-attaches ``quant_state`` to the weight of a bitsandbytes ``Linear4bit`` that FSDP replaced by a plain tensor.
-
-    A no-op when the weight still has its state (no FSDP, or a ``Params4bit``). Raises if FSDP mixed precision cast
-    the packed bytes to another dtype, which makes them unreadable.
-
-    Args:
-        base_layer (`nn.Module`): A ``bitsandbytes.nn.Linear4bit``.
-    """
-    weight = base_layer.weight
-    if getattr(weight, "quant_state", None) is not None:
-        return
-    state = getattr(base_layer, "quant_state", None)
-    if state is None:
-        return  # never quantized; `packed4bit_from_bnb` raises the error that explains it
-    storage = getattr(base_layer, "quant_storage", weight.dtype)
-    if weight.dtype != storage:
-        raise RuntimeError(
-            f"The packed 4-bit weight of this layer is {weight.dtype} but was stored as {storage} "
-            f"(`bnb_4bit_quant_storage`): FSDP mixed precision cast the packed bytes. Set FSDP's mixed precision "
-            f"`param_dtype` to {storage}, or load the model with `bnb_4bit_quant_storage` equal to that `param_dtype`."
-        )
-    weight.quant_state = state  # a plain attribute on FSDP's unsharded Parameter; the parameter itself stays FSDP's
-
-
-def _restore_quant_state_hook(layer: nn.Module, args) -> None:
-    restore_quant_state(layer.get_base_layer())
-
-
-def install_quant_state_hooks(model: nn.Module) -> int:
-    """Registers (once) a forward pre-hook on every FastLoRA 4-bit layer that calls [`restore_quant_state`].
-
-    Needed only while ``FastLoraLinear4bit.quantized_weight`` does not call [`restore_quant_state`] itself.
-    Returns the number of layers hooked.
-    """
-    from .bnb import FastLoraLinear4bit
-
-    count = 0
-    for module in model.modules():
-        if isinstance(module, FastLoraLinear4bit) and not getattr(module, _HOOK_MARK, False):
-            module.register_forward_pre_hook(_restore_quant_state_hook)
-            setattr(module, _HOOK_MARK, True)
-            count += 1
-    return count
-
-
 def _check_shardable_layers(model: nn.Module) -> None:
     """Raises for 8-bit layers and for a model that FSDP already wrapped."""
     from torch.distributed.tensor import DTensor
-
-    from .bnb import FastLoraLinear8bit
 
     for name, module in model.named_modules():
         if isinstance(module, FastLoraLinear8bit):
@@ -175,8 +127,6 @@ def _check_shardable_layers(model: nn.Module) -> None:
 
 def _storage_dtypes(model: nn.Module) -> dict[torch.dtype, str]:
     """``{packed weight dtype: name of one layer}`` over the FastLoRA 4-bit layers."""
-    from .bnb import FastLoraLinear4bit
-
     found: dict[torch.dtype, str] = {}
     for name, module in model.named_modules():
         if isinstance(module, FastLoraLinear4bit):
@@ -190,8 +140,6 @@ def _adapter_params(model: nn.Module) -> set[int]:
 
 
 def _lora_params(model: nn.Module) -> list[nn.Parameter]:
-    from peft.tuners.lora import LoraLayer
-
     return [
         p
         for module in model.modules()
@@ -213,12 +161,12 @@ def _prepare_fsdp1(model: nn.Module) -> None:
 
     Saving under FSDP1 needs two more fixes, installed at import time: PEFT 0.21 picks adapter keys by module names
     that FSDP1 nesting changes (`_registry.hook_adapter_state_dict`), and a `modules_to_save` unit all-gathers its
-    state on the main process only (`fsdp1_module_state_from`). Verified on 2 GPUs with the HF Trainer.
+    state on the main process only (`saving.fsdp1_module_state_from`).
     """
     storages = _storage_dtypes(model)
     if not storages:
         return
-    bad = {d: n for d, n in storages.items() if d not in FLOAT_STORAGE}
+    bad = {d: n for d, n in storages.items() if d not in FLOAT_DTYPES}
     if bad:
         dtype, name = next(iter(bad.items()))
         raise FSDPConfigError(
@@ -247,7 +195,7 @@ def _prepare_fsdp1(model: nn.Module) -> None:
         )
     recast = override_adapter_dtype(model, target, adapters)
     before = ", ".join(sorted({str(d) for d in recast}))
-    if recast and _is_main_process():
+    if recast and is_main_process():
         logger.warning(
             "peft_fastlora: FSDP: cast %d adapter parameters (adapter_dtype=%s gave %s) to %s, the "
             "`bnb_4bit_quant_storage` dtype, because FSDP shards them together with the 4-bit weights.",
@@ -256,18 +204,12 @@ def _prepare_fsdp1(model: nn.Module) -> None:
 
 
 def _view_packed_as_bytes(model: nn.Module) -> int:
-    """Re-views every bitsandbytes 4-bit weight as ``uint8`` (same storage, bitsandbytes' default ``(n, 1)`` layout).
+    """Re-views every bitsandbytes 4-bit weight as ``uint8`` (``bnb.view_packed_as_bytes``); returns how many changed.
 
-    The ``Params4bit`` objects stay the same; their ``quant_storage`` and their layer's become ``uint8``, which is
-    what bitsandbytes' and FastLoRA's ``quant_state`` recovery compare the all-gathered weight with. Returns how many
-    weights changed.
+    The ``Params4bit`` objects stay the same, so optimizers and FSDP see the same parameters over the same bytes.
     """
-    import bitsandbytes as bnb
-
-    from .layer import WEIGHT_CACHE
-
     for name, module in model.named_modules():
-        if isinstance(module, bnb.nn.Linear4bit) and getattr(module.weight, "quant_state", None) is None:
+        if is_quantized_4bit(module) and getattr(module.weight, "quant_state", None) is None:
             raise FSDPConfigError(
                 f"The 4-bit layer {name!r} is not quantized (its weight has no `quant_state`; e.g. it is still on the "
                 "meta device, as with `cpu_ram_efficient_loading`). Load the quantized model on every rank before "
@@ -275,15 +217,10 @@ def _view_packed_as_bytes(model: nn.Module) -> int:
             )
     changed = 0
     for module in model.modules():
-        module.__dict__.pop(WEIGHT_CACHE, None)  # FastLoRA's container still holds the old view
-        if not isinstance(module, bnb.nn.Linear4bit):
-            continue
-        weight = module.weight
-        if weight.dtype != torch.uint8:
-            weight.data = weight.data.reshape(-1).view(torch.uint8).view(-1, 1)
-            changed += 1
-        weight.quant_storage = torch.uint8
-        module.quant_storage = torch.uint8
+        if isinstance(module, FastLoraLayer):
+            module.invalidate_weight_cache()  # its container still holds the old view
+        elif is_quantized_4bit(module):
+            changed += view_packed_as_bytes(module)
     return changed
 
 
@@ -300,13 +237,11 @@ def _trainable_dtypes(model: nn.Module) -> dict[str, list[str]]:
 def _prepare_fsdp2(model: nn.Module) -> None:
     """FSDP2: packed weights as bytes; dtypes of the trainable parameters kept, their mixed-precision casts left to
     FSDP2."""
-    from .layer import FastLoraLayer
-
     viewed = _view_packed_as_bytes(model)
     for module in model.modules():
         if isinstance(module, FastLoraLayer):
-            setattr(module, _FSDP2_MARK, True)
-    if not _is_main_process():
+            module.fsdp2_prepared = True
+    if not is_main_process():
         return
     trainable = _trainable_dtypes(model)
     logger.info(
@@ -345,7 +280,7 @@ def prepare_for_fsdp(model: nn.Module, strict: bool = True, fsdp_version: Option
     frozen float parameters share, and casts the adapters (LoRA weights and every trainable parameter, e.g.
     ``modules_to_save``) to that dtype when the ``adapter_dtype`` policy chose another one (one log line says so).
 
-    Both install [`restore_quant_state`] hooks. Idempotent.
+    Idempotent.
 
     Under FSDP, fp16 adapters train with FSDP's gradient scaler (``ShardedGradScaler`` for FSDP1, accelerate's for
     FSDP2), which unscales fp16 gradients; torch's plain ``GradScaler`` would refuse them.
@@ -370,9 +305,8 @@ def prepare_for_fsdp(model: nn.Module, strict: bool = True, fsdp_version: Option
     except FSDPConfigError as err:
         if strict:
             raise
-        if _is_main_process():
+        if is_main_process():
             logger.warning("peft_fastlora: %s", err)
-    install_quant_state_hooks(model)
     return model
 
 
@@ -384,40 +318,7 @@ def fsdp2_ignored_params(model: nn.Module) -> set[nn.Parameter]:
     """
     if FSDP2_SHARDS_BYTES:
         return set()
-    import bitsandbytes as bnb
-
-    return {
-        m.weight for m in model.modules() if isinstance(m, bnb.nn.Linear4bit) and not m.weight.is_floating_point()
-    }
-
-
-def fsdp_owns_adapter_dtypes(layer: nn.Module) -> bool:
-    """Whether [`prepare_for_fsdp`] prepared ``layer`` for FSDP2, whose mixed precision computes with its own copies
-    of the adapters in ``param_dtype`` (the shards keep the ``adapter_dtype`` policy's dtype): the layer must not cast
-    those copies back."""
-    return layer.__dict__.get(_FSDP2_MARK, False)  # runs every forward: a dict lookup, no AttributeError
-
-
-# Module-name segments that FSDP1 (nested units) and activation-checkpoint wrappers leave inside state-dict keys.
-WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
-
-
-def clean_wrapper_name(name: str) -> str:
-    """``name`` (a module name or state-dict key) without FSDP1 / checkpoint-wrapper segments."""
-    for seg in WRAPPER_SEGMENTS:
-        name = name.replace(seg, "")
-    return name
-
-
-def clean_wrapper_keys(state_dict: dict) -> dict:
-    """``state_dict`` with FSDP1 / checkpoint-wrapper segments removed from every key (the same dict if none has one).
-
-    FSDP1's FULL_STATE_DICT keys came out clean in the CPU reproduction of the FSDP1 save bug (the module *names* were
-    not: see ``_registry.hook_adapter_state_dict``); this keeps a hand-gathered state dict with wrapper names working.
-    """
-    if not any(seg in key for key in state_dict for seg in WRAPPER_SEGMENTS):
-        return state_dict
-    return {clean_wrapper_name(key): value for key, value in state_dict.items()}
+    return {m.weight for m in model.modules() if is_quantized_4bit(m) and not m.weight.is_floating_point()}
 
 
 def fsdp_launched() -> bool:
@@ -425,115 +326,20 @@ def fsdp_launched() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
 
 
-def maybe_prepare_for_fsdp(model: nn.Module) -> nn.Module:
-    """[`prepare_for_fsdp`] (non-strict, accelerate's ``FSDP_VERSION``) when accelerate launched this process for
-    FSDP; else the model unchanged."""
-    return prepare_for_fsdp(model, strict=False) if fsdp_launched() else model
+def prepare_if_launched(model: nn.Module) -> nn.Module:
+    """Runs [`prepare_for_fsdp`] (non-strict, accelerate's ``FSDP_VERSION``) when accelerate launched this process for
+    FSDP, and logs that it did; else returns the model unchanged.
 
-
-def fsdp_wraps_adapters(layer: nn.Module, adapters: list[str]) -> bool:
-    """Whether FSDP made ``lora_A`` / ``lora_B`` of ``layer`` units of their own (FSDP1 or FSDP2).
-
-    PEFT's ``fsdp_auto_wrap_policy`` does this, and the HF Trainer installs it for every PEFT model under FSDP. Such
-    a unit gathers its weight only inside its own forward, so a FastLoRA layer must then call the adapter modules
-    instead of handing their weights to the fused op (which would see the flat shard).
+    ``FastLoraModel`` calls it after each adapter is added (``peft_fastlora/__init__.py`` installs it as
+    ``FastLoraModel.launch_hook``), so a Trainer script under ``accelerate launch`` with an FSDP config needs no extra
+    call: the HF Trainer wraps the model before any user callback could prepare it.
     """
-    wrappers = _fsdp_wrapper_types()
-    if not wrappers:
-        return False
-    lora_a, lora_b = layer._modules["lora_A"]._modules, layer._modules["lora_B"]._modules  # every forward: no getattr
-    for adapter in adapters:
-        if isinstance(lora_a[adapter], wrappers) or isinstance(lora_b[adapter], wrappers):
-            return True
-    return False
-
-
-@functools.cache
-def _fsdp_wrapper_types() -> tuple:
-    if not torch.distributed.is_available():
-        return ()
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    return (FullyShardedDataParallel, FSDPModule)
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The ``PeftModel`` inside DDP / accelerate wrappers (some forward attribute reads to it, so check the type)."""
-    from peft import PeftModel
-
-    while not isinstance(model, PeftModel) and isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
-    return model
-
-
-def _adapter_keys(peft_model: nn.Module, state_dict: dict) -> list[str]:
-    """Keys of ``state_dict`` that PEFT saves: the tuner's prefix (``lora_``) and ``modules_to_save`` copies."""
-    from peft.utils.other import AuxiliaryTrainingWrapper
-
-    prefix = getattr(getattr(peft_model, "base_model", None), "prefix", "lora_")
-    wrappers = [n for n, m in peft_model.named_modules() if isinstance(m, AuxiliaryTrainingWrapper)]
-    return sorted(k for k in state_dict if prefix in k or any(k.startswith(w + ".") for w in wrappers))
-
-
-def save_adapter(model: nn.Module, output_dir: Union[str, os.PathLike], **save_kwargs) -> None:
-    """Saves the adapter of a plain, DDP- or FSDP-wrapped PEFT model like a single-GPU ``save_pretrained``.
-
-    Every rank must call it (FSDP2 shards are gathered with collectives); only rank 0 writes. Only the adapter
-    tensors are gathered, never the 4-bit base weights.
-
-    Args:
-        model (`nn.Module`): The ``PeftModel``, possibly wrapped by DDP or sharded by ``fully_shard``.
-        output_dir (`str` or `os.PathLike`): Where to write ``adapter_model.safetensors`` and ``adapter_config.json``.
-        save_kwargs: Passed to ``PeftModel.save_pretrained``.
-    """
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-        raise NotImplementedError(
-            "`save_adapter` supports plain, DDP and FSDP2 (`fully_shard`) models, not FSDP1 "
-            "(`FullyShardedDataParallel`). Train with FSDP2 (`fully_shard`, accelerate `fsdp_version: 2`) or DDP; "
-            "see docs/distributed.md for what FSDP1 saves."
+    if not fsdp_launched():
+        return model
+    version = resolve_fsdp_version()
+    if is_main_process():
+        logger.info(
+            "peft_fastlora: accelerate launched this process for FSDP%d (ACCELERATE_USE_FSDP): running "
+            "peft_fastlora.distributed.prepare_for_fsdp(model, strict=False, fsdp_version=%d).", version, version,
         )
-    peft_model = _unwrap(model)
-    state_dict = peft_model.state_dict()
-    full = {}
-    for key in _adapter_keys(peft_model, state_dict):
-        value = state_dict[key]
-        if isinstance(value, DTensor):
-            value = value.full_tensor()  # a collective: every rank walks the same sorted keys
-        full[key] = value.detach().cpu()
-    if _is_main_process():
-        peft_model.save_pretrained(Path(output_dir), state_dict=full, **save_kwargs)
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-@contextlib.contextmanager
-def fsdp1_module_state_from(peft_model: nn.Module, state_dict: dict):
-    """While saving ``peft_model`` with a gathered ``state_dict``, every FSDP1 unit inside a ``modules_to_save``
-    wrapper answers ``state_dict()`` with its slice of ``state_dict`` instead of all-gathering its shard.
-
-    PEFT reads ``modules_to_save[adapter].state_dict()`` for the key names; for an FSDP1 unit (PEFT's
-    ``fsdp_auto_wrap_policy`` makes one of every trainable leaf) that is a collective, but the HF Trainer calls
-    ``save_pretrained`` on the main process only: the save hung (seen on CPU/gloo, 2 processes).
-    """
-    from peft.utils.other import ModulesToSaveWrapper
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    patched = []
-    for name, wrapper in peft_model.named_modules():
-        if not isinstance(wrapper, ModulesToSaveWrapper):
-            continue
-        for adapter, unit in wrapper.modules_to_save.items():
-            if isinstance(unit, FullyShardedDataParallel):
-                prefix = f"{clean_wrapper_name(name)}.modules_to_save.{adapter}."
-                part = {k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)}
-                unit.state_dict = functools.partial(dict, part)  # an instance attribute shadows the method
-                patched.append(unit)
-    try:
-        yield
-    finally:
-        for unit in patched:
-            del unit.state_dict
+    return prepare_for_fsdp(model, strict=False, fsdp_version=version)
