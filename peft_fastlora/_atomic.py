@@ -66,12 +66,19 @@ def _move_order(rel: Path) -> tuple:
     return (rel.parent.parts, rel.name in _MOVE_LAST, _MOVE_LAST.index(rel.name) if rel.name in _MOVE_LAST else 0)
 
 
-def commit(staging: PathLike, dst: PathLike, supersedes: Mapping[str, Sequence[str]] = ADAPTER_SUPERSEDES) -> Path:
+def commit(
+    staging: PathLike,
+    dst: PathLike,
+    supersedes: Mapping[str, Sequence[str]] = ADAPTER_SUPERSEDES,
+    stale: Sequence[str] = (),
+) -> Path:
     """Moves every file of ``staging`` into ``dst`` (same relative paths), then removes ``staging``.
 
     Every file is flushed to disk first. Conflicts (a staged file whose place in ``dst`` is a folder, or below a
     file) are found before anything moves. ``supersedes`` maps a file name to sibling names that writing it removes
-    from the same folder of ``dst`` (by default, a new adapter weight file removes the other format's).
+    from the same folder of ``dst`` (by default, a new adapter weight file removes the other format's). ``stale``
+    holds glob patterns of files at the top of ``dst`` that are removed after the move unless just written (the
+    shards of an earlier checkpoint, which the new one's index would not name but a loader could still pick up).
 
     Returns:
         `Path`: ``dst``.
@@ -103,6 +110,11 @@ def commit(staging: PathLike, dst: PathLike, supersedes: Mapping[str, Sequence[s
                 continue  # written too (both formats on purpose)
             with contextlib.suppress(FileNotFoundError):
                 (target / rel.parent / stale).unlink()
+    written = {target / rel for rel in files}
+    for pattern in stale:
+        for path in target.glob(pattern):
+            if path.is_file() and path not in written:
+                path.unlink()
     for folder in {(target / rel).parent for rel in files}:
         _fsync(folder, directory=True)
     shutil.rmtree(staging, ignore_errors=True)
@@ -110,7 +122,9 @@ def commit(staging: PathLike, dst: PathLike, supersedes: Mapping[str, Sequence[s
 
 
 @contextlib.contextmanager
-def staged_write(dst: PathLike, keep: Sequence[str] = (), supersedes=ADAPTER_SUPERSEDES) -> Iterator[Path]:
+def staged_write(
+    dst: PathLike, keep: Sequence[str] = (), supersedes=ADAPTER_SUPERSEDES, stale: Sequence[str] = ()
+) -> Iterator[Path]:
     """Yields a temporary folder to write into instead of ``dst``; commits it to ``dst`` when the block succeeds.
 
     On any exception (``KeyboardInterrupt`` included) the temporary folder is removed and ``dst`` is left as it was.
@@ -119,7 +133,7 @@ def staged_write(dst: PathLike, keep: Sequence[str] = (), supersedes=ADAPTER_SUP
         dst (`str` or `os.PathLike`): The folder the files are meant for (created if missing).
         keep (`Sequence[str]`): Files of ``dst`` that the writer *updates* rather than replaces (PEFT's README.md,
             whose text outside PEFT's own fields is the user's): copied into the temporary folder first.
-        supersedes (`Mapping[str, Sequence[str]]`): See [`commit`].
+        supersedes (`Mapping[str, Sequence[str]]`), stale (`Sequence[str]`): See [`commit`].
     """
     staging = staging_folder(dst)
     try:
@@ -127,7 +141,7 @@ def staged_write(dst: PathLike, keep: Sequence[str] = (), supersedes=ADAPTER_SUP
             if (Path(dst) / name).is_file():
                 shutil.copy2(Path(dst) / name, staging / name)
         yield staging
-        commit(staging, dst, supersedes)
+        commit(staging, dst, supersedes, stale)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

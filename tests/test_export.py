@@ -245,7 +245,7 @@ def test_export_without_a_readme(exported, tmp_path):
 def test_cli(exported, tmp_path, capsys):
     fastlora_dir = exported.fast["nf4-bf16"].source
     assert main(["export-lora", str(fastlora_dir), str(tmp_path / "out"), "--subfolder", "second"]) == 0
-    assert "Wrote a plain LoRA adapter to" in capsys.readouterr().out
+    assert "Exported the adapter in the subfolder 'second'" in capsys.readouterr().out
     assert (tmp_path / "out" / WEIGHTS).read_bytes() == (fastlora_dir / "second" / WEIGHTS).read_bytes()
     assert main(["export-lora", str(fastlora_dir), str(tmp_path / "out")]) == 1
     assert "export-lora: error: `dst_dir`" in capsys.readouterr().err
