@@ -105,11 +105,11 @@ def commit(
         (target / rel).parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging / rel, target / rel)
     for rel in files:
-        for stale in supersedes.get(rel.name, ()):
-            if (staging / rel.parent / stale).exists():
+        for other in supersedes.get(rel.name, ()):
+            if (staging / rel.parent / other).exists():
                 continue  # written too (both formats on purpose)
             with contextlib.suppress(FileNotFoundError):
-                (target / rel.parent / stale).unlink()
+                (target / rel.parent / other).unlink()
     written = {target / rel for rel in files}
     for pattern in stale:
         for path in target.glob(pattern):

@@ -190,12 +190,22 @@ def _read_source_card(src: Path, root: Path) -> tuple[Optional[ModelCard], Optio
         ) from None
 
 
-def _export_facts(facts: dict, config: dict, subfolder: Optional[str], dtypes: list[str]) -> dict:
+def _layer_dtype_counts(stored: dict[str, str]) -> dict[str, int]:
+    """``{"bf16": n_layers, ...}`` from the stored tensors' dtypes (one ``lora_A`` per adapted layer)."""
+    counts: dict[str, int] = {}
+    for name, dtype in stored.items():
+        if ".lora_A." in name or ".lora_embedding_A" in name:
+            short = _SAFETENSORS_DTYPES.get(dtype, dtype.lower())
+            counts[short] = counts.get(short, 0) + 1
+    return counts
+
+
+def _export_facts(facts: dict, config: dict, subfolder: Optional[str], layer_dtypes: dict[str, int]) -> dict:
     """The facts of the export: the exported adapter only, now named "default" at the top of its folder."""
     picked = next((a for a in facts["adapters"] if a["subfolder"] == subfolder), None)
-    if picked is None:  # the card was written by a save of other adapters: describe this one from its config
+    if picked is None:  # the card was written by a save of other adapters: describe this one from its files
         picked = {"adapter_dtype": config.get("adapter_dtype"), "r": config.get("r"),
-                  "lora_alpha": config.get("lora_alpha"), "dtypes": {d: 1 for d in dtypes}}
+                  "lora_alpha": config.get("lora_alpha"), "dtypes": layer_dtypes}
     exported = {**facts, "adapters": [{**picked, "name": "default", "subfolder": None}]}
     try:
         return check_facts(exported)
@@ -299,16 +309,16 @@ def export_lora(
     converted_from, tensors = None, None
     if (src / SAFETENSORS_WEIGHTS).is_file():  # what PEFT loads when both files exist
         header = safetensors_header(src / SAFETENSORS_WEIGHTS)
-        found = {entry["dtype"] for entry in header.values()}
+        stored = {name: entry["dtype"] for name, entry in header.items()}
     elif (src / PICKLE_WEIGHTS).is_file():
         tensors, converted_from = _read_pickle_weights(src / PICKLE_WEIGHTS), PICKLE_WEIGHTS
-        found = {safetensors_dtype_name(t.dtype) for t in tensors.values()}
+        stored = {name: safetensors_dtype_name(t.dtype) for name, t in tensors.items()}
     else:
         raise FileNotFoundError(f"{str(src)!r} has no adapter weights ({' or '.join(WEIGHT_FILES)}).")
-    dtypes = sorted(_SAFETENSORS_DTYPES.get(d, d.lower()) for d in found)
+    dtypes = sorted({_SAFETENSORS_DTYPES.get(d, d.lower()) for d in stored.values()})
     card, facts = _read_source_card(src, root)
     if facts is not None:
-        facts = _export_facts(facts, config, subfolder, dtypes)
+        facts = _export_facts(facts, config, subfolder, _layer_dtype_counts(stored))
     card = _render_export_card(card, facts, config, dtypes, converted_from)
     lora_config = {k: v for k, v in config.items() if k not in FASTLORA_ONLY_FIELDS}
     lora_config["peft_type"] = "LORA"

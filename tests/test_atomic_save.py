@@ -234,3 +234,17 @@ def test_non_main_process_writes_nothing(tiny_llama_path, tmp_path):
     model.save_pretrained(tmp_path / "rank1", is_main_process=False)
     assert not [p for p in (tmp_path / "rank1").rglob("*") if p.is_file()]
     assert not leftovers(tmp_path / "rank1")
+
+
+def test_commit_removes_superseded_and_stale_files_only(tmp_path):
+    dst, staging = tmp_path / "dst", tmp_path / "staging"
+    dst.mkdir()
+    staging.mkdir()
+    for name in ("adapter_model.bin", "a", "d", "model-00001-of-00002.safetensors", "notes.txt"):
+        (dst / name).write_text("old")
+    (staging / "adapter_model.safetensors").write_text("new")
+    (staging / "model.safetensors").write_text("new")
+    _atomic.commit(staging, dst, stale=("model*.safetensors",))
+    assert sorted(p.name for p in dst.iterdir()) == ["a", "adapter_model.safetensors", "d", "model.safetensors",
+                                                     "notes.txt"]
+    assert (dst / "model.safetensors").read_text() == "new" and not staging.exists()

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import bitsandbytes as bnb
 import pytest
 import torch
-from peft import get_peft_model
+from peft import LoraConfig, get_peft_model
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -220,3 +220,17 @@ def test_merge_failure_keeps_the_previous_checkpoint_and_overwrite_drops_stale_s
     assert not (dst / "model-00002-of-00002.safetensors").exists() and (dst / "notes.txt").read_text() == "mine"
     load_merged_names = {p.name for p in dst.iterdir()} - {"notes.txt"}
     assert load_merged_names == {"config.json", "generation_config.json", "model.safetensors"}
+
+
+def test_merge_of_a_plain_lora_adapter(base_path, tmp_path):
+    """A stock PEFT LoRA adapter (no FastLoRA card) merges onto the base as its checkpoint stores it."""
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_path, dtype=FP32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    model.save_pretrained(tmp_path / "lora")
+    assert main(["merge", str(base_path), str(tmp_path / "lora"), str(tmp_path / "merged"), "--dtype", "float32"]) == 0
+    merged = load_merged(tmp_path / "merged")
+    expected = logits(model.eval())
+    with model.disable_adapter():
+        assert (expected - logits(model)).abs().max() > 0.1
+    torch.testing.assert_close(logits(merged), expected, atol=1e-5, rtol=0)

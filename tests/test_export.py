@@ -568,3 +568,18 @@ def test_load_lora_as_fastlora_keeps_the_saved_policy(source, base_path, tmp_pat
     assert all(got[k].dtype == FP32 and torch.equal(got[k], v) for k, v in saved.items())
     explicit = load_lora_as_fastlora(load_base(base_path, "nf4-bf16"), folder, adapter_dtype="bf16")
     assert all(v.dtype == BF16 for v in adapter_tensors(explicit).values())  # an explicit policy still wins
+
+
+def test_export_of_an_adapter_the_card_does_not_describe(two_adapters, tmp_path):
+    """A later save of only the default adapter rewrote the card: the second adapter's facts come from its files."""
+    root = tmp_path / "root"
+    shutil.copytree(two_adapters.root, root)
+    two_adapters.model.save_pretrained(root, selected_adapters=["default"])
+    facts = model_card.read_facts((root / "README.md").read_text())
+    assert [a["name"] for a in facts["adapters"]] == ["default"]
+    out = export_lora(root, tmp_path / "out", subfolder="second")
+    exported = model_card.read_facts((out / "README.md").read_text())
+    (adapter,) = exported["adapters"]
+    assert adapter == {"name": "default", "subfolder": None, "adapter_dtype": "fp32", "dtypes": {"fp32": 4},
+                       "r": 2, "lora_alpha": 8}
+    assert exported["quantization"] == facts["quantization"]
