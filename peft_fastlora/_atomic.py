@@ -35,8 +35,9 @@ def staging_folder(dst: PathLike) -> Path:
     """Creates and returns an empty folder beside ``dst`` (same filesystem, so that ``os.replace`` into ``dst`` works).
 
     Its name starts with a dot and holds ``.peft-fastlora-tmp-``: a process killed before [`commit`] leaves it behind,
-    and it is safe to delete. It is made with ``os.mkdir`` (not ``tempfile.mkdtemp``, which makes it private), so a
-    destination created by renaming it gets the permissions any new folder gets.
+    and it is safe to delete. Where the parent folder is not writable but ``dst`` is, it goes inside ``dst``. It is
+    made with ``os.mkdir`` (not ``tempfile.mkdtemp``, which makes it private), so a destination created by renaming
+    it gets the permissions any new folder gets.
     """
     target = Path(dst).resolve()
     if target.is_file():
@@ -49,10 +50,21 @@ def staging_folder(dst: PathLike) -> Path:
             return path
         except FileExistsError:
             continue
+        except PermissionError:  # a folder we may write into but not beside (e.g. ".", in a read-only parent)
+            if not target.is_dir():
+                raise
+            path = target / path.name
+            path.mkdir()
+            return path
 
 
 def _fsync(path: Path, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    try:
+        fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    except OSError:  # Windows cannot open a directory; its renames need no directory sync
+        if not directory:
+            raise
+        return
     try:
         os.fsync(fd)
     except OSError:  # some filesystems cannot fsync a directory; the data files were synced

@@ -248,3 +248,21 @@ def test_commit_removes_superseded_and_stale_files_only(tmp_path):
     assert sorted(p.name for p in dst.iterdir()) == ["a", "adapter_model.safetensors", "d", "model.safetensors",
                                                      "notes.txt"]
     assert (dst / "model.safetensors").read_text() == "new" and not staging.exists()
+
+
+def test_save_into_a_folder_whose_parent_is_read_only(saved, tiny_llama_path, monkeypatch):
+    """Saving into "." under a read-only parent: the temporary folder goes inside the destination instead."""
+    model, folder, _, _ = saved
+    original_mkdir = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        if self.parent == folder.parent and self.name.startswith(f".{folder.name}{_atomic.STAGING_MARK}"):
+            raise PermissionError(13, "Permission denied", str(self))
+        return original_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    model.save_pretrained(folder)
+    monkeypatch.undo()
+    assert not [p.name for p in folder.iterdir() if _atomic.STAGING_MARK in p.name] and not leftovers(folder)
+    assert_loads(tiny_llama_path, folder, adapter_state(model))
+    assert (folder / "notes.txt").read_text() == "keep me"
