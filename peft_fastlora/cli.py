@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument(
         "--dtype",
         choices=("bfloat16", "float16", "float32"),
-        help="dtype of the saved weights (default: the model dtype the adapter's card records, else bfloat16)",
+        help="dtype of the saved weights (default: 16-bit, the model or compute dtype the adapter's card records, "
+        "else bfloat16)",
     )
     merge.add_argument("--device", default="cpu", help="where to load and merge, e.g. cuda:0 (default: cpu)")
     merge.add_argument(

@@ -332,7 +332,6 @@ def export_lora(
         else:
             save_file(tensors, staging / SAFETENSORS_WEIGHTS, metadata={"format": "pt"})
         card.save(staging / README)
-    logger.info("Exported the adapter in %s to %s", src, dst)
     return dst
 
 
@@ -532,7 +531,8 @@ def export_merged(
         dst_dir (`str` or `Path`): Folder to write the merged checkpoint to.
         subfolder (`str`, *optional*): The adapter's subfolder in ``adapter_dir``.
         dtype (`str`, *optional*): ``"bfloat16"``, ``"float16"`` or ``"float32"``: the saved weights' dtype (default:
-            the model dtype recorded in the card, else ``"bfloat16"``).
+            16-bit: the model dtype recorded in the card if it is 16-bit, else the 4-bit compute dtype if it is,
+            else ``"bfloat16"``).
         device (`str`, defaults to `"cpu"`): Where to load and merge (``"cuda:0"`` for a large model).
         overwrite (`bool`, defaults to `False`): Replace the checkpoint in a non-empty ``dst_dir`` (never an adapter).
 
@@ -563,8 +563,10 @@ def export_merged(
     _check_merge_destination(dst, sources, overwrite)
 
     quantization = _bnb_config_from_facts(facts.get("quantization") if facts else None)
-    # The whole model in the output dtype: merged weights are summed in fp32 and rounded once, to it.
-    out_dtype = dtype or (facts or {}).get("model_dtype") or "bfloat16"
+    # The whole model in the output dtype: merged weights are summed in fp32 and rounded once, to it. By default a
+    # 16-bit one (what users of merged checkpoints expect): the model dtype, else the 4-bit compute dtype, else bf16.
+    recorded = [(facts or {}).get("model_dtype"), ((facts or {}).get("quantization") or {}).get("compute_dtype")]
+    out_dtype = dtype or next((d for d in recorded if d in ("bfloat16", "float16")), "bfloat16")
     task = TASK_CLASSES.get((facts or {}).get("task_type") or (config or {}).get("task_type") or "")
     auto_class = getattr(transformers, task[1] if task else "AutoModelForCausalLM")
     how = describe_quantization(facts) if facts else "as its checkpoint says (no card with the training quantization)"

@@ -131,7 +131,9 @@ def test_merge_with_fp32_compute_is_lossless(base_path, tmp_path, capsys):
     """fp32 compute and fp32 output: nothing is rounded to 16 bits on either side, so the merged model computes what
     the adapter model computes up to fp32 summation order (measured 8e-7 on logits of size ~0.6)."""
     adapter = trained(base_path, tmp_path / "adapter", "all-linear", dtype=FP32, compute_dtype=FP32)
-    assert main(["merge", str(base_path), str(adapter.path), str(tmp_path / "merged")]) == 0
+    assert main(["merge", str(base_path), str(adapter.path), str(tmp_path / "fp16")]) == 0
+    assert load_merged(tmp_path / "fp16").dtype == BF16  # 16-bit by default, even from an fp32 model
+    assert main(["merge", str(base_path), str(adapter.path), str(tmp_path / "merged"), "--dtype", "float32"]) == 0
     assert "Wrote a plain checkpoint" in capsys.readouterr().out
     merged = load_merged(tmp_path / "merged")
     assert merged.dtype == FP32
@@ -162,7 +164,7 @@ def test_merge_of_a_partial_adapter_dequantizes_every_layer_exactly(base_path, t
     """Layers the adapter does not target are dequantized too: a plain checkpoint, each weight exactly
     dequant(W) (+ scaling * B @ A where targeted), rounded once to the output dtype."""
     adapter = trained(base_path, tmp_path / "adapter", ["q_proj", "v_proj"], dtype=FP32, compute_dtype=FP32)
-    assert main(["merge", str(base_path), str(adapter.path), str(tmp_path / "merged")]) == 0
+    assert main(["merge", str(base_path), str(adapter.path), str(tmp_path / "merged"), "--dtype", "float32"]) == 0
     load_merged(tmp_path / "merged")
     quantized = load_quantized(base_path, dtype=FP32, compute_dtype=FP32)  # the same deterministic quantization
     with safe_open(tmp_path / "merged" / "model.safetensors", "pt") as saved:
