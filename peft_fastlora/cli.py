@@ -122,7 +122,7 @@ def _export(args: argparse.Namespace) -> str:
 
 
 def _merge(args: argparse.Namespace) -> str:
-    from .export import export_merged
+    from .checkpoint import export_merged
 
     out = export_merged(args.base, args.adapter, args.dst, subfolder=args.subfolder, dtype=args.dtype,
                         device=args.device, overwrite=args.overwrite)
