@@ -68,6 +68,12 @@ def _expect(ok: bool, where: str, value: Any, expected: str) -> None:
         raise CardFactsError(f"`{where}` is {value!r}, expected {expected}")
 
 
+def _require_keys(obj: dict, keys: Sequence[str], where: str) -> None:
+    missing = [key for key in keys if key not in obj]
+    if missing:
+        raise CardFactsError(f"`{where}` lacks the field(s) {missing}")
+
+
 def _check_str(value: Any, where: str, pattern: re.Pattern = _PLAIN, optional: bool = False) -> None:
     if optional and value is None:
         return
@@ -88,11 +94,13 @@ def _check_quantization(quant: Any) -> None:
     _check_str(quant.get("method"), "quantization.method", _WORD)
     if quant["method"] != "bitsandbytes":
         return
+    _require_keys(quant, ("bits", "skip_modules"), "quantization")
     _check_choice(quant.get("bits"), "quantization.bits", (4, 8))
     skip = quant.get("skip_modules")
     _expect(skip is None or (isinstance(skip, list) and all(isinstance(m, str) for m in skip)),
             "quantization.skip_modules", skip, "a list of strings or null")
     if quant["bits"] == 4:
+        _require_keys(quant, ("quant_type", "compute_dtype", "double_quant", "quant_storage"), "quantization")
         _check_choice(quant.get("quant_type"), "quantization.quant_type", QUANT_TYPES)
         _check_choice(quant.get("compute_dtype"), "quantization.compute_dtype", FLOAT_NAMES)
         _check_choice(quant.get("double_quant"), "quantization.double_quant", (True, False))
@@ -110,6 +118,7 @@ def check_facts(facts: Any) -> dict:
         `CardFactsError` (a `ValueError`): naming the field, its value and what was expected.
     """
     _expect(isinstance(facts, dict), "facts", facts, "an object")
+    _require_keys(facts, ("base_model", "model_dtype", "task_type", "quantization", "adapters"), "facts")
     _check_str(facts.get("base_model"), "base_model", optional=True)
     _check_choice(facts.get("model_dtype"), "model_dtype", FLOAT_NAMES, optional=True)
     _check_str(facts.get("task_type"), "task_type", _WORD, optional=True)
@@ -119,6 +128,7 @@ def check_facts(facts: Any) -> dict:
     for i, adapter in enumerate(adapters):
         where = f"adapters[{i}]"
         _expect(isinstance(adapter, dict), where, adapter, "an object")
+        _require_keys(adapter, ("name", "subfolder", "adapter_dtype", "dtypes", "r", "lora_alpha"), where)
         _check_str(adapter.get("name"), f"{where}.name")
         _check_str(adapter.get("subfolder"), f"{where}.subfolder", optional=True)
         _check_choice(adapter.get("adapter_dtype"), f"{where}.adapter_dtype", ADAPTER_DTYPE_POLICIES)

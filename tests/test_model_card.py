@@ -213,6 +213,16 @@ CRAFTED = [
     ({"adapters": []}, "adapters"),
     ({"quantization": {"compute_dtype": None}}, "quantization.compute_dtype"),  # incomplete
 ]
+MISSING = [("facts", lambda f: f.pop("adapters")), ("quantization", lambda f: f["quantization"].pop("double_quant")),
+           ("adapters[0]", lambda f: f["adapters"][0].pop("subfolder"))]
+
+
+@pytest.mark.parametrize("where, drop", MISSING, ids=[m[0] for m in MISSING])
+def test_incomplete_facts_are_refused(where, drop):
+    facts = valid_facts()
+    drop(facts)
+    with pytest.raises(model_card.CardFactsError, match=re.escape(f"`{where}` lacks the field(s)")):
+        model_card.check_facts(facts)
 
 
 @pytest.mark.parametrize("change, field", CRAFTED, ids=[c[1] + str(i) for i, c in enumerate(CRAFTED)])
