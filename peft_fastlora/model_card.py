@@ -53,7 +53,7 @@ TASK_CLASSES = {
 
 FLOAT_NAMES = ("float16", "bfloat16", "float32")
 # bitsandbytes stores packed 4-bit weights in any of these (uint8 by default; a float one for FSDP1).
-STORAGE_NAMES = ("uint8", "int8", "int16", "int32", "float16", "bfloat16", "float32")
+STORAGE_NAMES = ("uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64")
 QUANT_TYPES = ("nf4", "fp4")
 _PLAIN = re.compile(r"[^\x00-\x1f\x7f`|]*")  # shown in Markdown code spans and tables: no control chars, ` or |
 _WORD = re.compile(r"[A-Za-z0-9_.-]+")
