@@ -134,9 +134,13 @@ def export_merged(
     if dtype is not None and dtype not in FLOAT_NAMES:
         raise ValueError(f"`dtype` must be one of {list(FLOAT_NAMES)}, got {dtype!r}.")
     dst, local = Path(dst_dir), Path(adapter_dir).is_dir()
+    text = str(adapter_dir)
+    if not local and (text.startswith(("/", ".", "~")) or text.count("/") > 1 or "\\" in text):
+        raise FileNotFoundError(f"`adapter_dir` {text!r} is not a folder (and not a Hub id `user/name`): pass the "
+                                "folder that save_pretrained wrote.")
     facts, config = None, None
     if local:
-        src = adapter_folder(adapter_dir, subfolder)
+        src = adapter_folder(adapter_dir, subfolder, arg="adapter_dir")
         try:
             config = json.loads((src / ADAPTER_CONFIG).read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:

@@ -49,7 +49,7 @@ FASTLORA_ONLY_FIELDS = tuple(sorted({f.name for f in fields(FastLoraConfig)} - {
 _SAFETENSORS_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64"}
 _SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
                          "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+_MAX_HEADER = 100_000_000  # the safetensors library's own limit
 
 PathLike = Union[str, Path]
 
@@ -58,11 +58,12 @@ class CorruptAdapterError(ValueError):
     """A file of the adapter to export cannot be read, or holds values that are not what ``save_pretrained`` writes."""
 
 
-def adapter_folder(src_dir: PathLike, subfolder: Optional[str]) -> Path:
-    """The folder holding the adapter's ``adapter_config.json``, with a clear error when there is none."""
+def adapter_folder(src_dir: PathLike, subfolder: Optional[str], arg: str = "src_dir") -> Path:
+    """The folder holding the adapter's ``adapter_config.json``, with a clear error (naming the argument ``arg``) when
+    there is none."""
     root = Path(src_dir)
     if not root.is_dir():
-        raise FileNotFoundError(f"`src_dir` {str(root)!r} is not a folder: pass the folder that save_pretrained wrote.")
+        raise FileNotFoundError(f"`{arg}` {str(root)!r} is not a folder: pass the folder that save_pretrained wrote.")
     src = root / subfolder if subfolder else root
     if not (src / ADAPTER_CONFIG).is_file():
         nested = adapter_subfolders(src) if src.is_dir() else []
@@ -71,7 +72,7 @@ def adapter_folder(src_dir: PathLike, subfolder: Optional[str]) -> Path:
             if nested
             else " Pass the folder that `save_pretrained` wrote."
         )
-        where = f"`subfolder` {subfolder!r} of {str(root)!r}" if subfolder else f"`src_dir` {str(root)!r}"
+        where = f"`subfolder` {subfolder!r} of {str(root)!r}" if subfolder else f"`{arg}` {str(root)!r}"
         raise FileNotFoundError(f"{where} has no {ADAPTER_CONFIG}.{hint}")
     return src
 

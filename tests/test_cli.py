@@ -106,7 +106,7 @@ def ids() -> torch.Tensor:
 
 @torch.no_grad()
 def logits(model) -> torch.Tensor:
-    return model(input_ids=ids()).logits.float()
+    return model(input_ids=ids().to(next(model.parameters()).device)).logits.float().cpu()
 
 
 def trained(base_path, folder: Path, targets, dtype=BF16, compute_dtype=BF16) -> SimpleNamespace:
@@ -189,6 +189,8 @@ def test_merge_refuses_destinations_it_would_damage(base_path, tmp_path, capsys)
     other = trained(base_path, tmp_path / "other-adapter", ["v_proj"])
     assert main(["merge", str(base_path), str(adapter.path), str(other.path), "--overwrite"]) == 1
     assert "holds an adapter, which `overwrite` does not replace" in capsys.readouterr().err
+    assert main(["merge", str(base_path), str(tmp_path / "typo"), str(tmp_path / "new")]) == 1
+    assert "`adapter_dir` " in capsys.readouterr().err and not (tmp_path / "new").exists()
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "x").write_text("x")
     assert main(["merge", str(base_path), str(adapter.path), str(tmp_path / "busy")]) == 1
@@ -236,3 +238,18 @@ def test_merge_of_a_plain_lora_adapter(base_path, tmp_path):
     with model.disable_adapter():
         assert (expected - logits(model)).abs().max() > 0.1
     torch.testing.assert_close(logits(merged), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+def test_merge_on_cuda_matches_the_adapter_model(base_path, tmp_path):
+    """The same merge on the GPU (--device cuda:0): the adapter model runs FastLoRA's Triton kernels, the merged one
+    cuBLAS; both are within bf16 roundings of the same function (the tolerance of the CPU bf16 test)."""
+    adapter = trained(base_path, tmp_path / "adapter", "all-linear")
+    adapter.model.to("cuda")
+    assert main(["merge", str(base_path), str(adapter.path), str(tmp_path / "merged"), "--device", "cuda:0"]) == 0
+    merged = load_merged(tmp_path / "merged").to("cuda")
+    with adapter.model.disable_adapter():
+        base_logits = logits(adapter.model)
+    expected = logits(adapter.model)
+    assert (expected - base_logits).abs().max() > 0.1
+    torch.testing.assert_close(logits(merged), expected, atol=5e-2, rtol=0)
