@@ -3,8 +3,8 @@
 Only stdlib at the top: ``--help`` and ``--version`` must answer without importing torch, transformers or PEFT
 (seconds of CPU). Running the CLI imports the package first, and the package's import registers FastLoRA with PEFT,
 which needs all of them; so ``peft_fastlora/__init__.py`` imports this module before anything else, and importing it
-runs [`answer_help_or_version`], which exits in a CLI process asked for help or the version and does nothing in any
-other. Each command imports what it needs.
+runs [`answer_help_or_version`], which in a CLI process answers help, the version and usage errors (and exits), and
+does nothing in any other. Each command imports what it needs.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ adapter was trained on it (the quantization its model card records), every quant
 adapter is added to the dequantized weights (no requantization: lossless up to the output dtype's rounding), and the
 model is saved with save_pretrained (safetensors) into DST, written beside DST and then moved into place. Loads with
 AutoModelFor*.from_pretrained(DST) without peft or bitsandbytes."""
-_EARLY_FLAGS = ("-h", "--help", "--version")
 
 
 def version() -> str:
@@ -94,13 +93,10 @@ def _is_cli_process() -> bool:
 
 
 def answer_help_or_version() -> None:
-    """In a CLI process asked for ``--help`` or ``--version``, answers and exits (before torch is imported)."""
-    if not _is_cli_process():
-        return
-    args = sys.argv[1:]
-    args = args[: args.index("--")] if "--" in args else args
-    if any(arg in _EARLY_FLAGS for arg in args):
-        build_parser().parse_args(sys.argv[1:])  # prints help or version and exits (or a usage error: exit 2)
+    """In a CLI process, parses the arguments before torch is imported: ``--help``, ``--version`` and usage errors
+    answer and exit here; valid commands return, to run once the package is imported."""
+    if _is_cli_process():
+        build_parser().parse_args(sys.argv[1:])
 
 
 def _export(args: argparse.Namespace) -> str:

@@ -32,15 +32,19 @@ def run(*args, **kwargs) -> subprocess.CompletedProcess:
 
 
 # ---- --help and --version answer without torch ---------------------------------------------------------------------
-@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["export-lora", "--help"], ["merge", "-h"]])
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["export-lora", "--help"], ["merge", "-h"], [],
+                                  ["merge", "only-one-arg"]])
 def test_python_dash_m_help_and_version_import_no_heavy_module(argv):
     proc = run("-X", "importtime", "-m", "peft_fastlora", *argv)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    usage_error = argv in ([], ["merge", "only-one-arg"])
+    assert proc.returncode == (2 if usage_error else 0), proc.stderr[-3000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
     assert "peft_fastlora.cli" in imported  # the check below looks at the right process
     assert not {name for name in imported if name.split(".")[0] in HEAVY}
     if argv == ["--version"]:
         assert proc.stdout.strip() == f"peft-fastlora {metadata.version('peft-fastlora')}"
+    elif usage_error:
+        assert "usage: peft-fastlora" in proc.stderr and "error: the following arguments are required" in proc.stderr
     else:
         assert "usage: peft-fastlora" in proc.stdout
 
