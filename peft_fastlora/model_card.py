@@ -413,7 +413,9 @@ load it: install it and `import peft_fastlora` before loading (without it, PEFT 
 ```
 
 Without peft-fastlora (stock PEFT, vLLM and other LoRA consumers), export a plain LoRA copy first:
-`python -m peft_fastlora export-lora <this folder> <new folder>`{subfolder_hint}.
+`python -m peft_fastlora export-lora <this folder> <new folder>`{subfolder_hint}. For a plain 16-bit checkpoint with
+the adapter merged in (losslessly, into the dequantized base): `python -m peft_fastlora merge <base model> <this folder>
+<new folder>`.
 
 ### Adapter dtypes
 

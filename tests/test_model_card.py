@@ -51,6 +51,7 @@ def test_nf4_card(tiny_llama_path, tmp_path):
     text = card.text
     assert_one_section(text)
     assert "pip install peft-fastlora" in text and model_card.install_commands() in text
+    assert "python -m peft_fastlora export-lora" in text and "python -m peft_fastlora merge" in text
     code = python_block(text)
     assert "import peft_fastlora" in code
     assert code.index("import peft_fastlora") < code.index("PeftModel.from_pretrained")
