@@ -99,22 +99,27 @@ def answer_help_or_version() -> None:
         build_parser().parse_args(sys.argv[1:])
 
 
+def _which_adapter(folder: str, subfolder: Optional[str], how: str) -> tuple[str, Optional[str]]:
+    """"the default adapter of FOLDER" (or its subfolder's), and a line naming the folder's other adapters, if any."""
+    from .export import adapter_subfolders
+
+    which = f"the default adapter of {folder}"
+    if subfolder:
+        which = f"the adapter in the subfolder {subfolder!r} of {folder}"
+    others = [name for name in adapter_subfolders(folder) if name != subfolder] if Path(folder).is_dir() else []
+    if not others:
+        return which, None
+    if subfolder and (Path(folder) / "adapter_config.json").is_file():
+        others.insert(0, "the default one (no --subfolder)")
+    return which, f"{folder} holds other adapters too: {', '.join(others)}. {how} one with `--subfolder NAME`."
+
+
 def _export(args: argparse.Namespace) -> str:
-    from .export import adapter_subfolders, export_lora
+    from .export import export_lora
 
     out = export_lora(args.src, args.dst, subfolder=args.subfolder, overwrite=args.overwrite)
-    if args.subfolder:
-        which = f"the adapter in the subfolder {args.subfolder!r} of {args.src}"
-    else:
-        which = f"the default adapter of {args.src}"
-    lines = [f"Exported {which} to {out} (a plain LoRA adapter)."]
-    others = [name for name in adapter_subfolders(args.src) if name != args.subfolder]
-    if others:
-        if args.subfolder and (Path(args.src) / "adapter_config.json").is_file():
-            others.insert(0, "the default one (no --subfolder)")
-        lines.append(f"{args.src} holds other adapters too: {', '.join(others)}. Export one with "
-                     f"`{PROG} export-lora {args.src} NEW_FOLDER --subfolder NAME`.")
-    return "\n".join(lines)
+    which, others = _which_adapter(args.src, args.subfolder, "Export")
+    return "\n".join([f"Exported {which} to {out} (a plain LoRA adapter).", *([others] if others else [])])
 
 
 def _merge(args: argparse.Namespace) -> str:
@@ -122,7 +127,9 @@ def _merge(args: argparse.Namespace) -> str:
 
     out = export_merged(args.base, args.adapter, args.dst, subfolder=args.subfolder, dtype=args.dtype,
                         device=args.device, overwrite=args.overwrite)
-    return f"Wrote a plain checkpoint of {args.base} with the adapter merged in to {out}."
+    which, others = _which_adapter(args.adapter, args.subfolder, "Merge")
+    lines = [f"Wrote a plain checkpoint of {args.base} with {which} merged in to {out}."]
+    return "\n".join(lines + ([others] if others else []))
 
 
 COMMANDS = {"export-lora": _export, "merge": _merge}

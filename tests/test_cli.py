@@ -93,7 +93,7 @@ def test_export_of_a_folder_with_several_adapters_says_which(base_path, tmp_path
     assert main(["export-lora", str(tmp_path / "src"), str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out
     assert "Exported the default adapter of" in out
-    assert "holds other adapters too: second, third" in out and "--subfolder NAME" in out
+    assert "holds other adapters too: second, third. Export one with `--subfolder NAME`." in out
     assert main(["export-lora", str(tmp_path / "src"), str(tmp_path / "b"), "--subfolder", "third"]) == 0
     out = capsys.readouterr().out
     assert "the adapter in the subfolder 'third'" in out
