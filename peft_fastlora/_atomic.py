@@ -58,6 +58,17 @@ def staging_folder(dst: PathLike) -> Path:
             return path
 
 
+def destination_of(path: PathLike) -> Path:
+    """The destination folder that a staging folder made by [`staging_folder`] stands for (for messages); any other
+    path is returned as it is."""
+    path = Path(path)
+    name, mark, _ = path.name.partition(STAGING_MARK)
+    if not mark or not name.startswith("."):
+        return path
+    name = name[1:]
+    return path.parent if path.parent.name == name else path.parent / name
+
+
 def _fsync(path: Path, directory: bool = False) -> None:
     try:
         fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))

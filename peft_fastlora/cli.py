@@ -100,7 +100,7 @@ def answer_help_or_version() -> None:
 
 
 def _which_adapter(folder: str, subfolder: Optional[str], how: str) -> tuple[str, Optional[str]]:
-    """"the default adapter of FOLDER" (or its subfolder's), and a line naming the folder's other adapters, if any."""
+    """Which adapter of ``folder`` a command used, in words, and a line naming the folder's other adapters, if any."""
     from .export import adapter_subfolders
 
     which = f"the default adapter of {folder}"

@@ -22,6 +22,7 @@ from typing import Any, Optional, Union
 import torch
 from huggingface_hub import ModelCard, ModelCardData
 
+from ._atomic import destination_of
 from .config import FastLoraConfig
 from .dtypes import ADAPTER_DTYPE_POLICIES, FLOAT_DTYPES, model_float_dtype
 
@@ -537,4 +538,5 @@ def update_model_card(
             set_tags(card, set(), {"fastlora"})
             card.save(readme)
     except Exception as err:  # the card is a courtesy: the adapter files matter more
-        warnings.warn(f"peft_fastlora could not update the model card {readme}: {err!r}", stacklevel=2)
+        shown = destination_of(output_dir) / "README.md"  # the save writes through a staging folder
+        warnings.warn(f"peft_fastlora could not update the model card {shown}: {err!r}", stacklevel=2)

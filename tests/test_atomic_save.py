@@ -266,3 +266,11 @@ def test_save_into_a_folder_whose_parent_is_read_only(saved, tiny_llama_path, mo
     assert not [p.name for p in folder.iterdir() if _atomic.STAGING_MARK in p.name] and not leftovers(folder)
     assert_loads(tiny_llama_path, folder, adapter_state(model))
     assert (folder / "notes.txt").read_text() == "keep me"
+
+
+def test_destination_of_names_the_folder_a_staging_folder_stands_for(tmp_path):
+    beside = _atomic.staging_folder(tmp_path / "adapter")
+    assert _atomic.destination_of(beside) == (tmp_path / "adapter").resolve()
+    inside = tmp_path / "adapter" / f".adapter{_atomic.STAGING_MARK}0123abcd"  # the read-only-parent fallback
+    assert _atomic.destination_of(inside) == tmp_path / "adapter"
+    assert _atomic.destination_of(tmp_path / "plain") == tmp_path / "plain"
