@@ -26,7 +26,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from peft import LoraConfig, PeftConfig, PeftModel
 from safetensors.torch import save_file
 
-from ._atomic import staged_write
+from ._atomic import ADAPTER_WEIGHTS, staged_write
 from .config import FastLoraConfig
 from .dtypes import DEFAULT_ADAPTER_DTYPE
 from .model_card import (
@@ -42,8 +42,8 @@ from .model_card import (
 )
 
 ADAPTER_CONFIG = "adapter_config.json"
-SAFETENSORS_WEIGHTS, PICKLE_WEIGHTS = "adapter_model.safetensors", "adapter_model.bin"
-WEIGHT_FILES = (SAFETENSORS_WEIGHTS, PICKLE_WEIGHTS)
+WEIGHT_FILES = ADAPTER_WEIGHTS
+SAFETENSORS_WEIGHTS, PICKLE_WEIGHTS = ADAPTER_WEIGHTS
 README = "README.md"
 FASTLORA_ONLY_FIELDS = tuple(sorted({f.name for f in fields(FastLoraConfig)} - {f.name for f in fields(LoraConfig)}))
 _SAFETENSORS_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64"}
