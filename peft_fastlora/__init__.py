@@ -4,6 +4,9 @@ Importing the package registers ``PeftType.FASTLORA`` with PEFT, so ``get_peft_m
 ``PeftModel.from_pretrained`` and ``AutoPeftModel*`` work with FastLoRA adapters.
 """
 
+from . import cli as _cli  # noqa: F401  (first: answers `--help` / `--version` of the CLI before torch is imported)
+
+# isort: split
 from . import _registry
 from .config import FastLoraConfig
 from .distributed import clean_wrapper_name, fsdp1_module_state_from, prepare_for_fsdp, prepare_if_launched

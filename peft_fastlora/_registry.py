@@ -22,6 +22,8 @@ from typing import NamedTuple
 import peft
 from packaging.version import Version
 
+from ._atomic import staged_write
+
 SUPPORTED_PEFT = (Version("0.21.0"), Version("0.22.0"))
 FASTLORA = "FASTLORA"
 _CARD_HOOK_MARK = "_peft_fastlora_card_hook"
@@ -252,11 +254,14 @@ def hook_model_card(update_card, clean_state_dict=None, saving_context=None) -> 
                 context = saving_context(self, kwargs["state_dict"])
         bound = inspect.signature(original).bind(self, save_directory, *args, **kwargs)
         bound.apply_defaults()
-        with context:
-            original(self, save_directory, *args, **kwargs)
-        if bound.arguments.get("is_main_process", True):
+        if not bound.arguments.get("is_main_process", True):
+            with context:
+                return original(self, save_directory, *args, **kwargs)
+        # Written beside save_directory, then moved into it: a failed save leaves the previous files as they were.
+        with context, staged_write(save_directory, keep=("README.md",)) as staging:
+            original(self, staging, *args, **kwargs)
             selected = bound.arguments.get("selected_adapters") or list(self.peft_config)
-            update_card(self, save_directory, adapter_names=list(selected))
+            update_card(self, staging, adapter_names=list(selected))
 
     setattr(save_pretrained, _CARD_HOOK_MARK, original)
     PeftModel.save_pretrained = save_pretrained

@@ -15,20 +15,23 @@ import json
 import re
 import warnings
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 from huggingface_hub import ModelCard, ModelCardData
 
+from ._atomic import destination_of
 from .config import FastLoraConfig
-from .dtypes import FLOAT_DTYPES, model_float_dtype
+from .dtypes import ADAPTER_DTYPE_POLICIES, FLOAT_DTYPES, model_float_dtype
 
 BLOCK_START = "<!-- peft-fastlora:start -->"
 BLOCK_END = "<!-- peft-fastlora:end -->"
 FACTS_PREFIX = "<!-- peft-fastlora:facts "
 _BLOCK_RE = re.compile(re.escape(BLOCK_START) + r".*?" + re.escape(BLOCK_END) + r"\n?", re.DOTALL)
 _FACTS_RE = re.compile(re.escape(FACTS_PREFIX) + r"(\{.*?\}) -->")
+EXPORT_MARK = "exported from a FastLoRA adapter"
 ADAPTER_PLACEHOLDER = "path/to/this/adapter"
 BASE_PLACEHOLDER = "path/to/the/base/model"
 SHORT_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -47,6 +50,125 @@ TASK_CLASSES = {
     "QUESTION_ANS": ("AutoPeftModelForQuestionAnswering", "AutoModelForQuestionAnswering"),
     "FEATURE_EXTRACTION": ("AutoPeftModelForFeatureExtraction", "AutoModel"),
 }
+
+
+FLOAT_NAMES = ("float16", "bfloat16", "float32")
+# bitsandbytes stores packed 4-bit weights in any of these (uint8 by default; a float one for FSDP1).
+STORAGE_NAMES = ("uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64")
+QUANT_TYPES = ("nf4", "fp4")
+_PLAIN = re.compile(r"[^\x00-\x1f\x7f`|]*")  # shown in Markdown code spans and tables: no control chars, ` or |
+_WORD = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+class CardFactsError(ValueError):
+    """The facts comment of a model card holds a value that peft-fastlora does not write there."""
+
+
+def _expect(ok: bool, where: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise CardFactsError(f"`{where}` is {value!r}, expected {expected}")
+
+
+def _require_keys(obj: dict, keys: Sequence[str], where: str) -> None:
+    missing = [key for key in keys if key not in obj]
+    if missing:
+        raise CardFactsError(f"`{where}` lacks the field(s) {missing}")
+
+
+def _check_str(value: Any, where: str, pattern: re.Pattern = _PLAIN, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    _expect(isinstance(value, str) and pattern.fullmatch(value) is not None, where, value,
+            "a string" + (" or null" if optional else "") + f" matching {pattern.pattern!r}")
+
+
+def _check_choice(value: Any, where: str, choices: Sequence, optional: bool = False) -> None:
+    ok = (optional and value is None) or (type(value) in (str, int, bool) and value in choices
+                                          and type(value) is type(choices[0]))
+    _expect(ok, where, value, f"one of {list(choices)}" + (" or null" if optional else ""))
+
+
+def _check_quantization(quant: Any) -> None:
+    if quant is None:
+        return
+    _expect(isinstance(quant, dict), "quantization", quant, "an object or null")
+    _check_str(quant.get("method"), "quantization.method", _WORD)
+    if quant["method"] != "bitsandbytes":
+        return
+    _require_keys(quant, ("bits", "skip_modules"), "quantization")
+    _check_choice(quant.get("bits"), "quantization.bits", (4, 8))
+    skip = quant.get("skip_modules")
+    _expect(skip is None or (isinstance(skip, list) and all(isinstance(m, str) for m in skip)),
+            "quantization.skip_modules", skip, "a list of strings or null")
+    if quant["bits"] == 4:
+        _require_keys(quant, ("quant_type", "compute_dtype", "double_quant", "quant_storage"), "quantization")
+        _check_choice(quant.get("quant_type"), "quantization.quant_type", QUANT_TYPES)
+        _check_choice(quant.get("compute_dtype"), "quantization.compute_dtype", FLOAT_NAMES)
+        _check_choice(quant.get("double_quant"), "quantization.double_quant", (True, False))
+        _check_choice(quant.get("quant_storage"), "quantization.quant_storage", STORAGE_NAMES)
+
+
+def check_facts(facts: Any) -> dict:
+    """Checks every field of card facts against the values [`collect_card_facts`] writes; returns ``facts``.
+
+    The facts of a card downloaded from the Hub are untrusted: their values end up in Python snippets and Markdown,
+    so anything else (a dtype that is not a dtype name, a flag that is not a bool, a string with a backtick) is
+    refused rather than rendered.
+
+    Raises:
+        `CardFactsError` (a `ValueError`): naming the field, its value and what was expected.
+    """
+    _expect(isinstance(facts, dict), "facts", facts, "an object")
+    _require_keys(facts, ("base_model", "model_dtype", "task_type", "quantization", "adapters"), "facts")
+    _check_str(facts.get("base_model"), "base_model", optional=True)
+    _check_choice(facts.get("model_dtype"), "model_dtype", FLOAT_NAMES, optional=True)
+    _check_str(facts.get("task_type"), "task_type", _WORD, optional=True)
+    _check_quantization(facts.get("quantization"))
+    adapters = facts.get("adapters")
+    _expect(isinstance(adapters, list) and len(adapters) > 0, "adapters", adapters, "a non-empty list")
+    for i, adapter in enumerate(adapters):
+        where = f"adapters[{i}]"
+        _expect(isinstance(adapter, dict), where, adapter, "an object")
+        _require_keys(adapter, ("name", "subfolder", "adapter_dtype", "dtypes", "r", "lora_alpha"), where)
+        _check_str(adapter.get("name"), f"{where}.name")
+        _check_str(adapter.get("subfolder"), f"{where}.subfolder", optional=True)
+        _check_choice(adapter.get("adapter_dtype"), f"{where}.adapter_dtype", ADAPTER_DTYPE_POLICIES)
+        dtypes = adapter.get("dtypes")
+        _expect(isinstance(dtypes, dict) and all(_WORD.fullmatch(str(k)) and type(n) is int for k, n in dtypes.items()),
+                f"{where}.dtypes", dtypes, "an object of dtype name -> layer count")
+        for key in ("r", "lora_alpha"):
+            value = adapter.get(key)
+            _expect(type(value) in (int, float) and value > 0, f"{where}.{key}", value, "a positive number")
+    return facts
+
+
+def _torch_dtype(name: str, allowed: Sequence[str]) -> str:
+    """``torch.<name>`` for a checked dtype name: the only way a dtype from the facts reaches the snippets."""
+    if name not in allowed:
+        raise CardFactsError(f"{name!r} is not one of {list(allowed)}")
+    return f"torch.{name}"
+
+
+def install_commands() -> str:
+    """The card's install commands: from PyPI, and from the source until the package is released there.
+
+    With a ``Source``/``Repository`` project URL in the installed package's metadata, the source line installs from
+    it; otherwise it names the folder of a checkout.
+    """
+    urls = {}
+    try:
+        for entry in metadata.metadata("peft-fastlora").get_all("Project-URL") or []:
+            label, _, url = entry.partition(",")
+            urls[label.strip().lower()] = url.strip()
+    except metadata.PackageNotFoundError:
+        pass
+    url = next((urls[k] for k in ("source", "repository", "homepage") if k in urls), None)
+    if url and re.fullmatch(r"https://[A-Za-z0-9./_-]+", url):
+        source = f'pip install "peft-fastlora @ git+{url}"'
+    else:
+        source = "pip install ./peft-fastlora  # the folder of a peft-fastlora checkout (it holds pyproject.toml)"
+    return f"# peft-fastlora is not on PyPI yet: install it from its source\n{source}\n" \
+           "# once it is released there: pip install peft-fastlora"
 
 
 def _py(value: Any) -> str:
@@ -165,12 +287,19 @@ def collect_card_facts(peft_model, adapter_names: Optional[Sequence[str]] = None
 
 
 def read_facts(text: str) -> Optional[dict]:
-    """The facts embedded in a card text by [`update_model_card`], or ``None``."""
+    """The facts embedded in a card text by [`update_model_card`], checked by [`check_facts`]; ``None`` if absent.
+
+    Raises:
+        `CardFactsError` (a `ValueError`): The facts comment is there but is not valid JSON or fails [`check_facts`].
+    """
     match = _FACTS_RE.search(text)
-    try:
-        return json.loads(match.group(1)) if match else None
-    except json.JSONDecodeError:  # edited by hand: the card is then written without them
+    if not match:
         return None
+    try:
+        facts = json.loads(match.group(1))
+    except json.JSONDecodeError as err:
+        raise CardFactsError(f"the facts comment is not valid JSON ({err})") from None
+    return check_facts(facts)
 
 
 # ---- rendering -----------------------------------------------------------------------------------------------------
@@ -185,9 +314,9 @@ def quantization_config_code(quant: Optional[dict]) -> Optional[str]:
         "quantization_config = BitsAndBytesConfig(\n"
         "    load_in_4bit=True,\n"
         f"    bnb_4bit_quant_type={_py(quant['quant_type'])},\n"
-        f"    bnb_4bit_compute_dtype=torch.{quant['compute_dtype']},\n"
-        f"    bnb_4bit_use_double_quant={quant['double_quant']},\n"
-        f"    bnb_4bit_quant_storage=torch.{quant['quant_storage']},\n"
+        f"    bnb_4bit_compute_dtype={_torch_dtype(quant['compute_dtype'], FLOAT_NAMES)},\n"
+        f"    bnb_4bit_use_double_quant={quant['double_quant'] is True!r},\n"
+        f"    bnb_4bit_quant_storage={_torch_dtype(quant['quant_storage'], STORAGE_NAMES)},\n"
         f"{skip})"
     )
 
@@ -210,6 +339,7 @@ def describe_quantization(facts: dict) -> str:
 
 def usage_code(facts: dict, *, plugin: bool) -> str:
     """A runnable snippet that loads the base model as it was quantized, then every adapter of ``facts``."""
+    check_facts(facts)
     task = TASK_CLASSES.get(facts.get("task_type") or "")
     auto_class = task[1] if task else "AutoModel"
     quant_code = quantization_config_code(facts.get("quantization"))
@@ -225,7 +355,7 @@ def usage_code(facts: dict, *, plugin: bool) -> str:
         lines.append(quant_code)
         load_kwargs += ", quantization_config=quantization_config"
     if model_dtype:
-        load_kwargs += f", dtype=torch.{model_dtype}"
+        load_kwargs += f", dtype={_torch_dtype(model_dtype, FLOAT_NAMES)}"
     base_model = _py(facts.get("base_model") or BASE_PLACEHOLDER)
     lines.append(f"base = {auto_class}.from_pretrained({base_model}{load_kwargs})")
     for i, adapter in enumerate(facts["adapters"]):
@@ -276,7 +406,7 @@ LoRA's names and format, but its `adapter_config.json` says `"peft_type": "FASTL
 load it: install it and `import peft_fastlora` before loading (without it, PEFT fails with `KeyError: 'FASTLORA'`).
 
 ```bash
-pip install peft-fastlora
+{install_commands()}
 ```
 
 ```python
@@ -284,7 +414,9 @@ pip install peft-fastlora
 ```
 
 Without peft-fastlora (stock PEFT, vLLM and other LoRA consumers), export a plain LoRA copy first:
-`python -m peft_fastlora export-lora <this folder> <new folder>`{subfolder_hint}.
+`python -m peft_fastlora export-lora <this folder> <new folder>`{subfolder_hint}. For a plain 16-bit checkpoint with
+the adapter merged in (losslessly, into the dequantized base): `python -m peft_fastlora merge <base model> <this folder>
+<new folder>`.
 
 ### Adapter dtypes
 
@@ -302,8 +434,19 @@ Without peft-fastlora (stock PEFT, vLLM and other LoRA consumers), export a plai
 """
 
 
-def render_plain_lora_block(facts: Optional[dict], tensor_dtypes: list[str]) -> str:
-    """The marked "Using this adapter" section of a plain LoRA export (see ``peft_fastlora.export_lora``)."""
+def render_plain_lora_block(
+    facts: Optional[dict], tensor_dtypes: list[str], converted_from: Optional[str] = None
+) -> str:
+    """The marked "Using this adapter" section of a plain LoRA export (see ``peft_fastlora.export_lora``).
+
+    ``converted_from`` names the pickle weight file that the export converted to safetensors, if it did.
+    """
+    stored = ", ".join(tensor_dtypes) or "-"
+    if converted_from:
+        weights = f"The weights are the FastLoRA adapter's, converted from `{converted_from}` to safetensors " \
+                  f"(same values, stored as {stored})."
+    else:
+        weights = f"The weights are the FastLoRA adapter's, byte for byte (stored as {stored})."
     if facts:
         base = f"""```python
 {usage_code(facts, plugin=False)}
@@ -314,13 +457,16 @@ def render_plain_lora_block(facts: Optional[dict], tensor_dtypes: list[str]) -> 
     else:
         base = "Load the base model as it was loaded for training (same quantization), then the adapter with " \
                "`PeftModel.from_pretrained(base, adapter)`."
-    return f"""{BLOCK_START}
+    # The facts travel with the export (as in the FastLoRA card): load_lora_as_fastlora reads the adapter_dtype policy
+    # back from them, and export-lora --overwrite recognises an earlier export by them.
+    facts_line = f"\n{_facts_comment(facts)}" if facts else ""
+    return f"""{BLOCK_START}{facts_line}
 
 ## Using this adapter
 
-A plain PEFT LoRA adapter (`"peft_type": "LORA"`), exported from a FastLoRA adapter with
+A plain PEFT LoRA adapter (`"peft_type": "LORA"`), {EXPORT_MARK} with
 `python -m peft_fastlora export-lora`: stock PEFT loads it without peft-fastlora, and so do other LoRA consumers such
-as vLLM. The weights are the FastLoRA adapter's, byte for byte (stored as {", ".join(tensor_dtypes) or "-"}).
+as vLLM. {weights}
 
 {base}
 
@@ -392,4 +538,5 @@ def update_model_card(
             set_tags(card, set(), {"fastlora"})
             card.save(readme)
     except Exception as err:  # the card is a courtesy: the adapter files matter more
-        warnings.warn(f"peft_fastlora could not update the model card {readme}: {err!r}", stacklevel=2)
+        shown = destination_of(output_dir) / "README.md"  # the save writes through a staging folder
+        warnings.warn(f"peft_fastlora could not update the model card {shown}: {err!r}", stacklevel=2)

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 import peft_fastlora
-from peft_fastlora import export_lora, load_lora_as_fastlora
+from peft_fastlora import export_lora, load_lora_as_fastlora, model_card
 from peft_fastlora.__main__ import main
 from peft_fastlora.bnb import FastLoraLinear4bit
 from peft_fastlora.export import FASTLORA_ONLY_FIELDS, fastlora_config_from_lora
@@ -245,7 +245,7 @@ def test_export_without_a_readme(exported, tmp_path):
 def test_cli(exported, tmp_path, capsys):
     fastlora_dir = exported.fast["nf4-bf16"].source
     assert main(["export-lora", str(fastlora_dir), str(tmp_path / "out"), "--subfolder", "second"]) == 0
-    assert "Wrote a plain LoRA adapter to" in capsys.readouterr().out
+    assert "Exported the adapter in the subfolder 'second'" in capsys.readouterr().out
     assert (tmp_path / "out" / WEIGHTS).read_bytes() == (fastlora_dir / "second" / WEIGHTS).read_bytes()
     assert main(["export-lora", str(fastlora_dir), str(tmp_path / "out")]) == 1
     assert "export-lora: error: `dst_dir`" in capsys.readouterr().err
@@ -367,3 +367,220 @@ def test_unquantized_lm_head_round_trips_through_export(base_path, tmp_path):
     loaded = load_lora_as_fastlora(load_base(base_path, "fp4-fp16-dq"), tmp_path / "lora")
     assert type(loaded.base_model.model.lm_head) is PeftLoraLinear
     assert torch.equal(logits(loaded), logits(model))
+
+
+# ---- nothing lost: the destination, corrupt sources, failed writes -------------------------------------------------
+def snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def two_adapters(base_path, tmp_path_factory):
+    """A FastLoRA model saved with a default adapter and an fp32-policy one in the subfolder "second"."""
+    torch.manual_seed(0)
+    model = get_peft_model(load_base(base_path, "nf4-bf16"), fast_config(target_modules=["q_proj", "v_proj"]))
+    model.add_adapter("second", fast_config(r=2, adapter_dtype="fp32", target_modules=["q_proj", "o_proj"]))
+    root = tmp_path_factory.mktemp("two-adapters") / "root"
+    model.save_pretrained(root)
+    return SimpleNamespace(root=root, model=model)
+
+
+@pytest.fixture
+def source(two_adapters, tmp_path):
+    """A fresh copy of the two-adapter folder, free to be damaged by one test."""
+    return Path(shutil.copytree(two_adapters.root, tmp_path / "src"))
+
+
+def run_cli(argv, capsys) -> tuple[int, str]:
+    code = main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def test_subfolder_export_into_its_own_root_is_refused(source, capsys):
+    """Issue 14.1: `export-lora ROOT ROOT --subfolder second --overwrite` replaced ROOT's default adapter."""
+    before = snapshot(source)
+    code, err = run_cli(["export-lora", source, source, "--subfolder", "second", "--overwrite"], capsys)
+    assert code == 1 and "`dst_dir`" in err and "is `src_dir`" in err and "pick a new folder" in err
+    assert snapshot(source) == before
+    (source.parent / "link").symlink_to(source)  # the same folder by another name
+    code, err = run_cli(["export-lora", source / "second", source.parent / "link" / "second", "--overwrite"], capsys)
+    assert code == 1 and "adapter's own folder" in err
+    code, err = run_cli(["export-lora", source, source.parent / "link", "--subfolder", "second", "--overwrite"],
+                        capsys)
+    assert code == 1 and "is `src_dir`" in err
+    assert snapshot(source) == before
+
+
+def test_overwrite_refuses_a_folder_holding_another_adapter(source, tmp_path, capsys):
+    before = snapshot(source)
+    # the default adapter into the "second" adapter's folder; the second into a folder holding a FastLoRA adapter
+    for argv in (["export-lora", source, source / "second", "--overwrite"],
+                 ["export-lora", source, tmp_path, "--subfolder", "second", "--overwrite"]):
+        code, err = run_cli(argv, capsys)
+        assert code == 1 and "holds another adapter" in err and "only replaces an earlier export-lora output" in err
+    assert snapshot(source) == before
+    plain = tmp_path / "plain"  # a LoRA adapter from elsewhere (not an export) is protected too
+    plain.mkdir()
+    (plain / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    code, err = run_cli(["export-lora", source, plain, "--overwrite"], capsys)
+    assert code == 1 and "holds another adapter (in ['./'])" in err
+    # an earlier export is what --overwrite replaces
+    export_lora(source, tmp_path / "out")
+    export_lora(source, tmp_path / "out", subfolder="second", overwrite=True)
+    assert (tmp_path / "out" / WEIGHTS).read_bytes() == (source / "second" / WEIGHTS).read_bytes()
+
+
+def _bad_header(src: Path) -> None:
+    (src / WEIGHTS).write_bytes(b"\xff" * 64)
+
+
+def _huge_header(src: Path) -> None:
+    data = (src / WEIGHTS).read_bytes()
+    (src / WEIGHTS).write_bytes((2**62).to_bytes(8, "little") + data[8:])
+
+
+def _truncated_weights(src: Path) -> None:
+    data = (src / WEIGHTS).read_bytes()
+    (src / WEIGHTS).write_bytes(data[:-100])  # the header is intact, the last tensor is cut
+
+
+def _config_is_a_list(src: Path) -> None:
+    (src / "adapter_config.json").write_text("[1, 2]")
+
+
+def _config_not_json(src: Path) -> None:
+    (src / "adapter_config.json").write_text('{"peft_type": "FASTLORA",')
+
+
+def _facts(src: Path, change) -> None:
+    text = (src / "README.md").read_text()
+    start = text.index(model_card.FACTS_PREFIX) + len(model_card.FACTS_PREFIX)
+    end = text.index(" -->", start)
+    facts = json.loads(text[start:end])
+    change(facts)
+    (src / "README.md").write_text(text[:start] + json.dumps(facts) + text[end:])
+
+
+def _incomplete_facts(src: Path) -> None:
+    _facts(src, lambda f: f["quantization"].pop("compute_dtype"))
+
+
+def _no_adapters_in_facts(src: Path) -> None:
+    _facts(src, lambda f: f.update(adapters=[]))
+
+
+def _crafted_facts(src: Path) -> None:
+    _facts(src, lambda f: f["quantization"].update(compute_dtype="bfloat16, __import__('os').system('echo pwned')"))
+
+
+def _unsafe_pickle(src: Path) -> None:
+    (src / WEIGHTS).unlink()
+    torch.save({"w": torch.ones(2), "code": SimpleNamespace(x=1)}, src / "adapter_model.bin")
+
+
+CORRUPT = {
+    "bad safetensors header": (_bad_header, "is not a valid safetensors file: its header length"),
+    "huge header length": (_huge_header, "does not fit the file"),
+    "truncated weights": (_truncated_weights, "describes .* bytes of tensor data but the file holds .* \\(truncated"),
+    "config is a list": (_config_is_a_list, "holds a JSON list, not an object"),
+    "config is not JSON": (_config_not_json, "is not valid JSON"),
+    "incomplete card facts": (_incomplete_facts,
+                              r"facts in .* are not valid: `quantization` lacks the field\(s\) \['compute_dtype'\]"),
+    "no adapters in the facts": (_no_adapters_in_facts, "`adapters` is \\[\\], expected a non-empty list"),
+    "crafted card facts": (_crafted_facts, "`quantization.compute_dtype` is \"bfloat16, __import__"),
+    "pickle that is not weights-only": (_unsafe_pickle, "cannot be loaded as a weights-only pickle"),
+}
+
+
+@pytest.mark.parametrize("damage", list(CORRUPT))
+def test_corrupt_source_is_refused_before_anything_is_written(source, tmp_path, capsys, damage):
+    """Issue 14.8: a clear error, exit status 1, no traceback, DST untouched (an earlier export, or no folder)."""
+    earlier = export_lora(source, tmp_path / "earlier")
+    before = snapshot(earlier)
+    corrupt, message = CORRUPT[damage]
+    corrupt(source)
+    code, err = run_cli(["export-lora", source, earlier, "--overwrite"], capsys)
+    assert code == 1 and "Traceback" not in err
+    assert err.startswith("peft-fastlora export-lora: error: ") and len(err.splitlines()) == 1
+    assert __import__("re").search(message, err), err
+    assert snapshot(earlier) == before
+    code, _ = run_cli(["export-lora", source, tmp_path / "new"], capsys)
+    assert code == 1 and not (tmp_path / "new").exists()
+    assert not [p for p in tmp_path.iterdir() if ".peft-fastlora-tmp-" in p.name]
+
+
+def test_corrupt_source_in_a_subprocess_has_no_traceback(source, tmp_path):
+    _truncated_weights(source)
+    proc = subprocess.run([sys.executable, "-m", "peft_fastlora", "export-lora", str(source), str(tmp_path / "out")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "truncated" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_failed_export_write_leaves_the_earlier_export(source, tmp_path, monkeypatch):
+    """Issue 14.2 for export: `--overwrite` wrote the config, deleted the old weights, then copied."""
+    earlier = export_lora(source, tmp_path / "earlier")
+    (earlier / "notes.txt").write_text("mine")
+    before = snapshot(earlier)
+
+    def full_disk(src, dst, *args, **kwargs):
+        Path(dst).write_bytes(b"\0" * 10)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(peft_fastlora.export.shutil, "copyfile", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        export_lora(source, earlier, subfolder="second", overwrite=True)
+    assert snapshot(earlier) == before
+    assert not [p for p in tmp_path.iterdir() if ".peft-fastlora-tmp-" in p.name]
+    monkeypatch.undo()
+    export_lora(source, earlier, subfolder="second", overwrite=True)
+    after = snapshot(earlier)
+    assert after["notes.txt"] == b"mine" and after[WEIGHTS] == (source / "second" / WEIGHTS).read_bytes()
+
+
+def test_pickle_weights_are_exported_as_safetensors(source, tmp_path):
+    """Issue 14.10: a pickle adapter_model.bin is converted (loaded weights_only), never copied; never both files."""
+    tensors = load_file(source / WEIGHTS)
+    torch.save(tensors, source / "adapter_model.bin")
+    both = export_lora(source, tmp_path / "both")  # safetensors wins (PEFT loads it when both exist): copied as is
+    assert {p.name for p in both.iterdir()} == {"adapter_config.json", WEIGHTS, "README.md"}
+    assert (both / WEIGHTS).read_bytes() == (source / WEIGHTS).read_bytes()
+    (source / WEIGHTS).unlink()
+    out = export_lora(source, tmp_path / "bin")
+    assert {p.name for p in out.iterdir()} == {"adapter_config.json", WEIGHTS, "README.md"}
+    got = load_file(out / WEIGHTS)
+    assert got.keys() == tensors.keys() and all(torch.equal(got[k], v) for k, v in tensors.items())
+    assert "converted from `adapter_model.bin` to safetensors" in (out / "README.md").read_text()
+    (tmp_path / "stale").mkdir()  # an earlier export's pickle in DST goes: DST never holds both
+    (tmp_path / "stale" / "adapter_model.bin").write_bytes(b"old")
+    export_lora(source, tmp_path / "stale", overwrite=True)
+    assert not (tmp_path / "stale" / "adapter_model.bin").exists()
+
+
+@pytest.mark.parametrize("how", ["fastlora", "export"])
+def test_load_lora_as_fastlora_keeps_the_saved_policy(source, base_path, tmp_path, how):
+    """Issue 14.12: an fp32-policy adapter stays fp32 (it was rounded to bf16 under the default policy)."""
+    folder = source / "second" if how == "fastlora" else export_lora(source, tmp_path / "out", subfolder="second")
+    model = load_lora_as_fastlora(load_base(base_path, "nf4-bf16"), folder)
+    assert model.peft_config["default"].adapter_dtype == "fp32"
+    saved = load_file(source / "second" / WEIGHTS)
+    got = adapter_tensors(model)
+    assert got.keys() == saved.keys()
+    assert all(got[k].dtype == FP32 and torch.equal(got[k], v) for k, v in saved.items())
+    explicit = load_lora_as_fastlora(load_base(base_path, "nf4-bf16"), folder, adapter_dtype="bf16")
+    assert all(v.dtype == BF16 for v in adapter_tensors(explicit).values())  # an explicit policy still wins
+
+
+def test_export_of_an_adapter_the_card_does_not_describe(two_adapters, tmp_path):
+    """A later save of only the default adapter rewrote the card: the second adapter's facts come from its files."""
+    root = tmp_path / "root"
+    shutil.copytree(two_adapters.root, root)
+    two_adapters.model.save_pretrained(root, selected_adapters=["default"])
+    facts = model_card.read_facts((root / "README.md").read_text())
+    assert [a["name"] for a in facts["adapters"]] == ["default"]
+    out = export_lora(root, tmp_path / "out", subfolder="second")
+    exported = model_card.read_facts((out / "README.md").read_text())
+    (adapter,) = exported["adapters"]
+    assert adapter == {"name": "default", "subfolder": None, "adapter_dtype": "fp32", "dtypes": {"fp32": 4},
+                       "r": 2, "lora_alpha": 8}
+    assert exported["quantization"] == facts["quantization"]

@@ -50,7 +50,8 @@ def test_nf4_card(tiny_llama_path, tmp_path):
     assert {"fastlora", "lora", "qlora", f"base_model:adapter:{base}"} <= set(card.data.tags)
     text = card.text
     assert_one_section(text)
-    assert "pip install peft-fastlora" in text
+    assert "pip install peft-fastlora" in text and model_card.install_commands() in text
+    assert "python -m peft_fastlora export-lora" in text and "python -m peft_fastlora merge" in text
     code = python_block(text)
     assert "import peft_fastlora" in code
     assert code.index("import peft_fastlora") < code.index("PeftModel.from_pretrained")
@@ -162,13 +163,23 @@ def test_card_failure_warns_and_still_saves_the_adapter(tiny_llama_path, tmp_pat
 
     monkeypatch.setattr(model_card, "collect_card_facts", broken)
     model = get_peft_model(load_quantized(tiny_llama_path), fast_config())
-    with pytest.warns(UserWarning, match="could not update the model card.*boom"):
+    with pytest.warns(UserWarning, match=f"could not update the model card {re.escape(str(tmp_path))}/README.md.*boom"):
         model.save_pretrained(tmp_path)
     assert (tmp_path / "adapter_model.safetensors").is_file()
 
 
+def valid_facts(**quant_changes) -> dict:
+    """Facts as collect_card_facts writes them for a 4-bit nf4 base, with ``quant_changes`` applied."""
+    quant = {"method": "bitsandbytes", "bits": 4, "quant_type": "nf4", "compute_dtype": "bfloat16",
+             "double_quant": False, "quant_storage": "uint8", "skip_modules": None}
+    adapter = {"name": "default", "subfolder": None, "adapter_dtype": "fp32-if-fp16", "dtypes": {"bf16": 14},
+               "r": 4, "lora_alpha": 8}
+    return {"base_model": "some/base", "model_dtype": "bfloat16", "task_type": "CAUSAL_LM",
+            "quantization": {**quant, **quant_changes}, "adapters": [adapter]}
+
+
 def test_facts_comment_cannot_be_closed_by_a_path():
-    facts = {"base_model": "models--x/y-->z", "adapters": []}
+    facts = {**valid_facts(), "base_model": "models--x/y-->z"}
     comment = model_card._facts_comment(facts)
     assert comment.count("-->") == 1 and comment.endswith("-->")
     assert model_card.read_facts(comment) == facts
@@ -184,3 +195,81 @@ def test_only_the_given_adapters_are_described(tiny_llama_path, tmp_path):
     assert [a["name"] for a in model_card.read_facts(text)["adapters"]] == ["second"]
     assert 'model = PeftModel.from_pretrained(base, adapter, adapter_name="second", subfolder="second")' in text
     assert "AutoPeftModelForCausalLM" not in text  # it would load the default adapter, which this card leaves out
+
+
+# A crafted facts comment (a card from the Hub) must not become code in a snippet, nor break the Markdown.
+PAYLOAD = "bfloat16, __import__('os').system('echo pwned') or torch.float32"
+CRAFTED = [
+    ({"quantization": {"compute_dtype": PAYLOAD}}, "quantization.compute_dtype"),
+    ({"quantization": {"quant_storage": "uint8)\nimport os; os.system('x')\n#"}}, "quantization.quant_storage"),
+    ({"quantization": {"double_quant": "__import__('os').system('x')"}}, "quantization.double_quant"),
+    ({"quantization": {"double_quant": 1}}, "quantization.double_quant"),
+    ({"quantization": {"bits": True}}, "quantization.bits"),
+    ({"quantization": {"quant_type": "nf4\"); import os; (\""}}, "quantization.quant_type"),
+    ({"quantization": {"method": "x`\n```python\nimport os"}}, "quantization.method"),
+    ({"model_dtype": "float32; import os"}, "model_dtype"),
+    ({"base_model": "some/base`\n```python"}, "base_model"),
+    ({"adapters": [{"name": "default", "subfolder": None, "adapter_dtype": "fp8", "dtypes": {}, "r": 4,
+                    "lora_alpha": 8}]}, "adapters[0].adapter_dtype"),
+    ({"adapters": []}, "adapters"),
+    ({"quantization": {"compute_dtype": None}}, "quantization.compute_dtype"),  # incomplete
+]
+MISSING = [("facts", lambda f: f.pop("adapters")), ("quantization", lambda f: f["quantization"].pop("double_quant")),
+           ("adapters[0]", lambda f: f["adapters"][0].pop("subfolder"))]
+
+
+@pytest.mark.parametrize("where, drop", MISSING, ids=[m[0] for m in MISSING])
+def test_incomplete_facts_are_refused(where, drop):
+    facts = valid_facts()
+    drop(facts)
+    with pytest.raises(model_card.CardFactsError, match=re.escape(f"`{where}` lacks the field(s)")):
+        model_card.check_facts(facts)
+
+
+@pytest.mark.parametrize("change, field", CRAFTED, ids=[c[1] + str(i) for i, c in enumerate(CRAFTED)])
+def test_crafted_facts_are_refused(change, field):
+    facts = valid_facts(**change.pop("quantization", {}))
+    facts.update(change)
+    with pytest.raises(model_card.CardFactsError, match=re.escape(f"`{field}` is")):
+        model_card.check_facts(facts)
+    with pytest.raises(model_card.CardFactsError, match=re.escape(f"`{field}` is")):
+        model_card.read_facts(model_card._facts_comment(facts))
+    with pytest.raises(model_card.CardFactsError):
+        model_card.usage_code(facts, plugin=False)
+
+
+def test_facts_that_are_not_json_are_refused():
+    with pytest.raises(model_card.CardFactsError, match="not valid JSON"):
+        model_card.read_facts(model_card.FACTS_PREFIX + "{not json} -->")
+    assert model_card.read_facts("no facts here") is None
+
+
+@pytest.mark.parametrize("storage", model_card.STORAGE_NAMES)
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_valid_facts_render_as_literals(storage, double_quant):
+    """Every allowed value renders as a literal: the snippet compiles, and its names are torch dtypes."""
+    code = model_card.usage_code(valid_facts(quant_storage=storage, double_quant=double_quant), plugin=True)
+    compile(code, "snippet", "exec")
+    assert f"bnb_4bit_quant_storage=torch.{storage}," in code and getattr(torch, storage) is not None
+    assert f"bnb_4bit_use_double_quant={double_quant}," in code
+
+
+def test_install_commands_from_source(monkeypatch):
+    """Not on PyPI yet: the card installs from the source URL in the package metadata, or from a checkout."""
+    class Meta:
+        def __init__(self, urls):
+            self.urls = urls
+
+        def get_all(self, key):
+            return self.urls if key == "Project-URL" else None
+
+    monkeypatch.setattr(model_card.metadata, "metadata", lambda name: Meta(["Source, https://github.com/o/peft-fastlora"]))
+    text = model_card.install_commands()
+    assert 'pip install "peft-fastlora @ git+https://github.com/o/peft-fastlora"' in text.splitlines()
+    monkeypatch.setattr(model_card.metadata, "metadata", lambda name: Meta(["Source, https://x/$(rm -rf ~)"]))
+    assert "git+" not in model_card.install_commands()  # only a plain https URL is rendered
+    monkeypatch.setattr(model_card.metadata, "metadata", lambda name: Meta(None))
+    lines = model_card.install_commands().splitlines()
+    # every line that is not a comment is a command that runs as it is (in the folder holding the checkout)
+    assert [line.split("  #")[0] for line in lines if not line.startswith("#")] == ["pip install ./peft-fastlora"]
+    assert any("pip install peft-fastlora" in line for line in lines if line.startswith("#"))
