@@ -168,7 +168,7 @@ def internals() -> SimpleNamespace:
         launch_cache_size: ``() -> int``, compiled kernels in the launch cache.
         launch_hooks_set: ``() -> bool``, whether Triton launch hooks are set (they slow every launch).
     """
-    from peft_fastlora.bnb_weights import int8_from_bnb, packed4bit_from_bnb
+    from peft_fastlora.bnb import int8_from_bnb, packed4bit_from_bnb
     from peft_fastlora.ops import _launch, fused_small_m
 
     return SimpleNamespace(
