@@ -4,6 +4,8 @@ Importing the package registers ``PeftType.FASTLORA`` with PEFT, so ``get_peft_m
 ``PeftModel.from_pretrained`` and ``AutoPeftModel*`` work with FastLoRA adapters.
 """
 
+from importlib import metadata as _metadata
+
 from . import _registry
 from .config import FastLoraConfig
 from .distributed import clean_wrapper_keys, clean_wrapper_name, fsdp1_module_state_from, prepare_for_fsdp
@@ -22,7 +24,10 @@ _registry.hook_model_card(
     update_model_card, clean_state_dict=clean_wrapper_keys, saving_context=fsdp1_module_state_from
 )
 
-__version__ = "0.1.0"
+try:  # the installed distribution's version; a source tree on sys.path without an install has none
+    __version__: str = _metadata.version("peft-fastlora")
+except _metadata.PackageNotFoundError:
+    __version__ = "0+unknown"
 __all__ = [
     "ADAPTER_DTYPE_POLICIES",
     "FastLoraConfig",
