@@ -222,7 +222,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="Model id or local path (default: a tiny random Llama).")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="JSONL file of instruction/response pairs.")
-    parser.add_argument("--output-dir", type=Path, default=Path("outputs/sft"), help="Where the adapter is saved.")
+    parser.add_argument(
+        "--output-dir", type=Path, default=Path("outputs/sft"), help="Where to save the adapter (default: outputs/sft)."
+    )
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true", help="bf16 compute (model, bnb compute dtype, Trainer).")
     precision.add_argument(
