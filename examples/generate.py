@@ -98,7 +98,7 @@ def base_loading(args: argparse.Namespace, facts: Optional[dict]) -> tuple[dict,
         quant, source = facts.get("quantization"), "as its model card records"
         model_dtype = DTYPES.get(facts.get("model_dtype") or "", torch.float32)
     if args.bits is not None and (quant is None or quant.get("bits") != args.bits):
-        trained = f"{quant['bits']}-bit" if quant and "bits" in quant else "an unquantized"
+        trained = f"a {quant['bits']}-bit" if quant and "bits" in quant else "an unquantized"
         source = f"--{args.bits}bit; the adapter was trained on {trained} base" if facts else f"--{args.bits}bit"
         quant = dict(DEFAULT_4BIT) if args.bits == 4 else {"method": "bitsandbytes", "bits": 8}
     dtype = flag_dtype or model_dtype
