@@ -142,17 +142,23 @@ def run(args: argparse.Namespace, work: Path) -> None:
     )
     trainable, total = model.get_nb_trainable_parameters()
     print(
-        f"Base model:  a tiny random Llama ({config.num_hidden_layers} layers, hidden {config.hidden_size}) "
-        f"quantized to 4-bit NF4 with double quantization, {str(dtype).removeprefix('torch.')} compute on {device}"
+        f"Base model:  tiny random Llama ({config.num_hidden_layers} layers, hidden {config.hidden_size}), 4-bit NF4 "
+        f"with double quantization, {str(dtype).removeprefix('torch.')} compute on {device}"
     )
     print(f"Adapter:     FastLoRA r=16 on all linear layers, {trainable:,} trainable of {total:,} parameters")
 
     losses = train(model, synthetic_samples(args.samples), args, device)
-    print(f"Loss:        {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps")
+    print(f"Loss:        {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} step{'s' if len(losses) > 1 else ''}")
     if len(losses) > 1 and not losses[-1] < losses[0]:
         raise SystemExit("quickstart.py: error: the loss did not fall; please report this with the output above.")
 
     model.save_pretrained(out_dir)
+    if args.output_dir is None:
+        print(f"Saved:       {out_dir} (a temporary folder, deleted at the end; --output-dir DIR keeps it)")
+    else:
+        print(f"Saved:       {shown(out_dir)} (adapter_config.json, adapter_model.safetensors, README.md model card;")
+        print(f"             the tiny base model it needs in {shown(base_dir)})")
+
     reloaded = PeftModel.from_pretrained(load_4bit(base_dir, dtype, device), out_dir)
     reloaded.eval()
     prompt = torch.tensor([encode(PROMPT)], device=device)
@@ -162,16 +168,19 @@ def run(args: argparse.Namespace, work: Path) -> None:
 
     examples = Path(__file__).parent
     if args.output_dir is None:
-        print(f"Saved:       {out_dir}, a temporary folder, deleted now that the run is over")
-        print("Next:")
-        print(f"  python {shown(examples / 'quickstart.py')} --output-dir DIR   # keep the adapter in DIR")
+        first = ("Keep the adapter:", f"python {shown(examples / 'quickstart.py')} --output-dir DIR")
     else:
-        print(f"Saved:       {shown(out_dir)} (adapter_config.json, adapter_model.safetensors, README.md model card;")
-        print(f"             the tiny base model in {shown(base_dir)})")
-        print("Next:")
-        print(f"  python {shown(examples / 'generate.py')} --adapter {shown(out_dir)} --raw --prompt 'the dog sits'")
-    print(f"  python {shown(examples / 'train_sft.py')} --help   # the HF Trainer on your JSONL data, with your model")
-    print(f"  {shown(examples.parent / 'docs' / 'index.md')}   # using FastLoRA in your own code")
+        command = f"python {shown(examples / 'generate.py')} --adapter {shown(out_dir)} --raw --prompt 'the dog sits'"
+        first = ("Generate with it:", command)
+    hints = [
+        first,
+        ("Fine-tune your model:", f"python {shown(examples / 'train_sft.py')} --help"),
+        ("FastLoRA in your code:", shown(examples.parent / "docs" / "index.md")),
+    ]
+    width = max(len(what) for what, _ in hints)
+    print("Next:")
+    for what, command in hints:
+        print(f"  {what:<{width}}  {command}")
 
 
 def show_fastlora_log() -> None:

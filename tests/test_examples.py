@@ -240,7 +240,9 @@ def test_quickstart_prints_only_its_own_lines(quickstart_run):
 @pytest.mark.slow
 def test_quickstart_removes_its_temp_folder_and_says_what_next(quickstart_run):
     proc, tmp = quickstart_run
-    assert list(tmp.iterdir()) == []
+    (saved,) = re.findall(r"^Saved: +(\S+) \(a temporary folder", proc.stdout, re.MULTILINE)
+    assert Path(saved).parent == tmp and not Path(saved).exists()
+    assert not list(tmp.glob("fastlora-*"))  # (torch may leave its own compile cache there)
     tail = proc.stdout.splitlines()[-4:]
     assert tail[0] == "Next:" and "--output-dir DIR" in tail[1] and "train_sft.py --help" in tail[2]
     assert "deleted" in proc.stdout
