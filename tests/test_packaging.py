@@ -100,6 +100,7 @@ def test_version_comes_from_the_installed_metadata():
     assert peft_fastlora.__version__ == installed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("metadata_version, expected", [("9.8.7", "9.8.7"), (None, "0+unknown")])
 def test_version_follows_metadata_and_falls_back_without_an_install(metadata_version, expected):
     """In a fresh interpreter, with ``importlib.metadata`` answering ``metadata_version`` (``None``: not installed)."""
@@ -135,6 +136,7 @@ def newest_release(name: str) -> Version | None:
     return Version(match.group(1)) if proc.returncode == 0 and match else None
 
 
+@pytest.mark.slow
 def test_declared_ranges_admit_the_newest_releases_on_the_index():
     """Online: asks the package index for the newest release of each pinned-down dependency; skips offline."""
     newest = {name: newest_release(name) for name in KNOWN_RELEASES}
@@ -233,7 +235,8 @@ def test_readme_dtype_text_matches_the_policy_for_fp16_models():
         policy = re.match(r'`"([^"]+)"`', cells[0]).group(1)
         expected = [short[resolve_adapter_dtype(policy, c)] for c in (torch.float16, torch.bfloat16, torch.float32)]
         assert cells[1:] == expected, row
-    assert "fp16 model" in README and "default policy gives fp32 adapters" in README
+    assert "compute fp16, or any fp16 model" in table.splitlines()[0]
+    assert "default policy gives fp32 adapters" in README
 
 
 def requirement_closure(requirements: list[Requirement]) -> set[str]:
