@@ -476,8 +476,8 @@ def _worker_tensors(kind: str, n: int, k: int, device: str):
     key = (kind, n, k, device)
     if key not in _WORKER_TENSORS:
         import bitsandbytes.functional as bnbF
-
         from peft_fastlora.bnb_weights import packed4bit_from_bnb
+
         from peft_fastlora.ops.quant_state import Int8Rowwise
 
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
@@ -592,7 +592,6 @@ class Case:
     def __init__(self, kind: str, n: int, k: int, device: torch.device, l2_mb: float):
         import bench_layers
         from peft import LoraConfig, get_peft_model
-
         from peft_fastlora.bnb_weights import int8_from_bnb, packed4bit_from_bnb
 
         self.kind, self.n, self.k, self.shape = kind, n, k, shape_key(n, k)

@@ -3,8 +3,8 @@
 A FastLoRA adapter already has LoRA's tensors and key names; the export copies the weights byte for byte and
 writes an ``adapter_config.json`` with ``"peft_type": "LORA"`` and without the FastLoRA-only fields.
 
-    python examples/export_lora.py outputs/sft outputs/sft-lora
-    python -c "from peft import PeftConfig; print(PeftConfig.from_pretrained('outputs/sft-lora').peft_type)"
+    python examples/export_lora.py /tmp/fastlora/sft /tmp/fastlora/sft-lora
+    python -c "from peft import PeftConfig; print(PeftConfig.from_pretrained('/tmp/fastlora/sft-lora').peft_type)"
 
 A thin wrapper around ``peft_fastlora.export_lora``; the installed command ``peft-fastlora export-lora SRC DST`` does
 the same. See docs/saving.md.

@@ -4,16 +4,20 @@ With no ``--model`` it builds a tiny random Llama and a character-level tokenize
 laptop CPU in seconds (the loss falls, the model learns nothing useful). With a model id or path it loads that model
 and its tokenizer.
 
-    python examples/train_sft.py --max-steps 20                                    # tiny model, CPU is fine
-    python examples/train_sft.py --model Qwen/Qwen2.5-0.5B --bf16 --max-steps 200 --output-dir out/qwen-sft
-    python examples/generate.py --adapter out/qwen-sft --prompt "Name the largest ocean."
+    python examples/train_sft.py --max-steps 20 --output-dir /tmp/fastlora/sft    # tiny model, CPU is fine
+    python examples/train_sft.py --model Qwen/Qwen2.5-0.5B --bf16 --max-steps 200 --output-dir ~/fastlora/qwen-sft
+    python examples/generate.py --adapter ~/fastlora/qwen-sft --prompt "Name the largest ocean."
 
 The data is a JSONL file with one ``{"instruction": ..., "response": ...}`` object per line; the loss is taken on
-the response tokens only. The adapter, the tokenizer and (for the tiny model) the base model are saved to
-``--output-dir``.
+the response tokens only. The data and the arguments are checked before any model is loaded. The adapter, the
+tokenizer and (for the tiny model) the base model are saved to ``--output-dir``.
 """
 
 from __future__ import annotations
+
+from quiet import quiet_third_party
+
+quiet_third_party()  # before torch/transformers/bitsandbytes are imported
 
 import argparse
 import json
@@ -103,25 +107,46 @@ def quantization_config(bits: int, compute_dtype: torch.dtype, quant_type: str, 
     )
 
 
-def load_jsonl(path: Path) -> list[dict[str, str]]:
-    """Reads ``{"instruction": str, "response": str}`` records, one per line (blank lines are skipped)."""
+def read_jsonl(path: Path) -> list[tuple[int, dict[str, str]]]:
+    """``(line number, {"instruction": str, "response": str})`` for each non-blank line of a JSONL file.
+
+    Raises:
+        ValueError: naming ``path:line`` for a line that is not UTF-8, not JSON, or not an object with string
+            ``instruction`` and ``response`` fields, and for a file without records.
+    """
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{path}:{lineno}: not valid UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1}); "
+                    "save the file as UTF-8."
+                ) from None
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({err}).") from None
-            if not all(isinstance(record.get(key), str) for key in ("instruction", "response")):
+            if not isinstance(record, dict) or not all(
+                isinstance(record.get(key), str) for key in ("instruction", "response")
+            ):
+                shown = repr(record) if len(repr(record)) <= 200 else repr(record)[:200] + "..."
                 raise ValueError(
-                    f"{path}:{lineno}: every line needs string fields 'instruction' and 'response', got {record!r}."
+                    f"{path}:{lineno}: every line needs a JSON object with string fields 'instruction' and "
+                    f"'response', got {shown}."
                 )
-            records.append(record)
+            records.append((lineno, record))
     if not records:
         raise ValueError(f"{path} has no records.")
     return records
+
+
+def load_jsonl(path: Path) -> list[dict[str, str]]:
+    """Reads ``{"instruction": str, "response": str}`` records, one per line (blank lines are skipped)."""
+    return [record for _, record in read_jsonl(path)]
 
 
 def tokenize_example(tokenizer, record: dict[str, str], max_length: int) -> dict[str, list[int]]:
@@ -131,6 +156,39 @@ def tokenize_example(tokenizer, record: dict[str, str], max_length: int) -> dict
     input_ids = (prompt + response)[:max_length]
     labels = ([-100] * len(prompt) + response)[:max_length]
     return {"input_ids": input_ids, "labels": labels}
+
+
+def build_train_data(
+    tokenizer, records: list[tuple[int, dict[str, str]]], max_length: int, path: Path
+) -> list[dict[str, list[int]]]:
+    """Tokenized examples that keep at least one response token within ``max_length``.
+
+    An example whose prompt alone fills ``max_length`` would train on nothing: it is left out, with a note naming
+    its line. When that leaves nothing, a ``ValueError`` says how long ``--max-length`` must be.
+    """
+    kept, dropped, longest = [], [], 0
+    for lineno, record in records:
+        whole = tokenize_example(tokenizer, record, max_length=sys.maxsize)
+        longest = max(longest, len(whole["input_ids"]))
+        example = {key: value[:max_length] for key, value in whole.items()}
+        if any(label != -100 for label in example["labels"]):
+            kept.append(example)
+        else:
+            dropped.append((lineno, whole["labels"].count(-100)))  # the prompt's length in tokens
+    if dropped and not kept:
+        shortest = min(n for _, n in dropped)
+        raise ValueError(
+            f"{path}:{dropped[0][0]}: the prompt of every example is at least --max-length {max_length} tokens long "
+            f"(the shortest prompt is {shortest}), so no response token would be trained on; use --max-length "
+            f"{shortest + 1} or more ({longest} keeps every example whole)."
+        )
+    if dropped:
+        lines = ", ".join(str(lineno) for lineno, _ in dropped[:5]) + (", ..." if len(dropped) > 5 else "")
+        print(
+            f"Left out {len(dropped)} of {len(records)} examples whose prompt fills --max-length {max_length} "
+            f"(no response token to train on): {path} lines {lines}."
+        )
+    return kept
 
 
 class PadCollator:
@@ -156,7 +214,7 @@ def add_quantization_args(parser: argparse.ArgumentParser) -> None:
     bits = parser.add_mutually_exclusive_group()
     bits.add_argument("--4bit", dest="bits", action="store_const", const=4, help="4-bit base weights (default).")
     bits.add_argument("--8bit", dest="bits", action="store_const", const=8, help="8-bit (int8) base weights.")
-    parser.add_argument("--quant-type", choices=("nf4", "fp4"), default="nf4", help="4-bit data type.")
+    parser.add_argument("--quant-type", choices=("nf4", "fp4"), default=None, help="4-bit data type (default: nf4).")
     parser.add_argument("--double-quant", action="store_true", help="Double-quantize the 4-bit absmax scales.")
 
 
@@ -164,10 +222,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="Model id or local path (default: a tiny random Llama).")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="JSONL file of instruction/response pairs.")
-    parser.add_argument("--output-dir", type=Path, default=Path("outputs/sft"), help="Where the adapter is saved.")
+    parser.add_argument(
+        "--output-dir", type=Path, default=Path("outputs/sft"), help="Where to save the adapter (default: outputs/sft)."
+    )
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true", help="bf16 compute (model, bnb compute dtype, Trainer).")
-    precision.add_argument("--fp16", action="store_true", help="fp16 compute with GradScaler (needs a CUDA GPU).")
+    precision.add_argument(
+        "--fp16", action="store_true", help="fp16 compute with GradScaler (for CUDA GPUs; runs, slowly, on a CPU)."
+    )
     add_quantization_args(parser)
     parser.add_argument(
         "--adapter-dtype",
@@ -186,30 +248,63 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--gradient-checkpointing", action="store_true", help="Trade compute for activation memory.")
     parser.add_argument("--seed", type=int, default=0, help="Random seed.")
     args = parser.parse_args(argv)
+    if args.bits == 8 and (args.double_quant or args.quant_type is not None):
+        flag = "--double-quant" if args.double_quant else f"--quant-type {args.quant_type}"
+        parser.error(f"{flag} applies to 4-bit weights only; drop it, or use --4bit instead of --8bit.")
     args.bits = args.bits or 4
-    if args.fp16 and not torch.cuda.is_available():
-        parser.error("--fp16 needs a CUDA GPU (the Trainer has no fp16 mode on CPU); use --bf16 or no flag on CPU.")
+    args.quant_type = args.quant_type or "nf4"
     if not args.data.is_file():
         parser.error(f"--data {str(args.data)!r} is not a file.")
-    if args.r <= 0:
-        parser.error(f"--r must be a positive integer, got {args.r}.")
+    for name in ("r", "lora_alpha", "max_steps", "batch_size", "max_length"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}.")
+    if not args.lr > 0:
+        parser.error(f"--lr must be a positive number, got {args.lr}.")
+    if args.model is not None:
+        model_path = Path(args.model).expanduser()
+        if model_path.exists() and not (model_path / "config.json").is_file():
+            parser.error(f"--model {args.model!r} is a local path without a config.json; pass a model folder saved "
+                         "with save_pretrained, or a Hub model id.")  # fmt: skip
+        if not model_path.exists() and looks_like_a_path(args.model):
+            parser.error(f"--model {args.model!r}: no such file or folder; pass an existing model folder, or a Hub "
+                         "model id such as 'Qwen/Qwen2.5-0.5B'.")  # fmt: skip
+        if model_path.exists():
+            args.model = str(model_path)
+    if args.fp16 and not torch.cuda.is_available():
+        print("Note: --fp16 on a CPU runs, slowly: fp16 is meant for CUDA GPUs; on a CPU use --bf16 or no flag.")
     return args
+
+
+def looks_like_a_path(model: str) -> bool:
+    """Whether ``--model`` is meant as a local path rather than a Hub id (``name`` or ``org/name``)."""
+    return model.startswith(("/", "./", "../", "~", ".\\", "..\\")) or "\\" in model or model.count("/") > 1
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
-    args.output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        records = read_jsonl(args.data)
+    except ValueError as err:
+        raise SystemExit(f"train_sft.py: error: --data: {err}") from None
 
     if args.model is None:
         tokenizer = build_char_tokenizer()
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    try:
+        train_data = build_train_data(tokenizer, records, args.max_length, args.data)
+    except ValueError as err:
+        raise SystemExit(f"train_sft.py: error: {err}") from None
+
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    if args.model is None:
         model_path = save_tiny_llama((args.output_dir / TINY_BASE_DIR).resolve(), tokenizer, seed=args.seed)
         print(f"No --model given: built a tiny random Llama in {model_path}.")
     else:
         model_path = args.model
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
 
     model = AutoModelForCausalLM.from_pretrained(
         model_path,
@@ -234,7 +329,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     model = get_peft_model(model, lora_config)
     model.print_trainable_parameters()
 
-    train_data = [tokenize_example(tokenizer, r, args.max_length) for r in load_jsonl(args.data)]
     training_args = TrainingArguments(
         output_dir=str(args.output_dir),
         max_steps=args.max_steps,

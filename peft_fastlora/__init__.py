@@ -7,6 +7,8 @@ Importing the package registers ``PeftType.FASTLORA`` with PEFT, so ``get_peft_m
 from . import cli as _cli  # noqa: F401  (first: answers `--help` / `--version` of the CLI before torch is imported)
 
 # isort: split
+from importlib import metadata as _metadata
+
 from . import _registry
 from .config import FastLoraConfig
 from .distributed import clean_wrapper_name, fsdp1_module_state_from, prepare_for_fsdp, prepare_if_launched
@@ -26,7 +28,10 @@ _registry.hook_adapter_state_dict(FastLoraModel, clean_wrapper_name)
 _registry.hook_model_card(update_model_card, saving_context=fsdp1_module_state_from)
 FastLoraModel.launch_hook = staticmethod(prepare_if_launched)  # FSDP preparation under `accelerate launch` (logged)
 
-__version__ = "0.1.0"
+try:  # the installed distribution's version; a source tree on sys.path without an install has none
+    __version__: str = _metadata.version("peft-fastlora")
+except _metadata.PackageNotFoundError:
+    __version__ = "0+unknown"
 __all__ = [
     "ADAPTER_DTYPE_POLICIES",
     "FastLoraConfig",

@@ -10,8 +10,8 @@ import bitsandbytes.functional as bnbF
 import pytest
 import torch
 from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
-
 from peft_fastlora.bnb_weights import packed4bit_from_bnb
+
 from peft_fastlora.ops.dequant import _launch_dequant_4bit, dequantize, dequantize_4bit, dequantize_int8
 from peft_fastlora.ops.quant_state import Int8Rowwise, Packed4bit
 from peft_fastlora.ops.reference import dequantize_4bit_ref, dequantize_int8_ref

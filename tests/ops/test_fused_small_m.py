@@ -18,8 +18,8 @@ import bitsandbytes.functional as bnbF
 import pytest
 import torch
 import torch.nn.functional as F
-
 from peft_fastlora.bnb_weights import packed4bit_from_bnb
+
 from peft_fastlora.ops.fused_small_m import (
     SMALL_M_MAX,
     SmallMConfig,

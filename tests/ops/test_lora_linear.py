@@ -11,8 +11,8 @@ import os
 import bitsandbytes.functional as bnbF
 import pytest
 import torch
-
 from peft_fastlora.bnb_weights import packed4bit_from_bnb
+
 from peft_fastlora.ops import LoraLinearFunction, fastlora_linear
 from peft_fastlora.ops import lora_linear as lora_linear_module
 from peft_fastlora.ops.quant_state import Int8Rowwise
