@@ -1,7 +1,7 @@
 """The kernels as ``torch.library`` custom ops, so ``torch.compile(fullgraph=True)`` traces FastLoRA layers whole.
 
 Custom ops take only tensors, scalars and lists of them, so a quantized weight crosses the boundary as its fields,
-``(weight_tensors: Tensor?[], weight_meta: int[], quant_type: str)`` from ``weight.to_fields()``, rebuilt inside by
+``(weight_tensors: Tensor[], weight_meta: int[], quant_type: str)`` from ``weight.to_fields()``, rebuilt inside by
 ``weight_from_fields``. The ops take the same arguments in the same order as the eager path
 (``lora_linear.LoraLinearFunction``), with the weight's fields last.
 
@@ -26,7 +26,7 @@ from .quant_state import weight_from_fields
 # ---- dequantize ----------------------------------------------------------------------------------------------------
 @torch.library.custom_op("peft_fastlora::dequantize", mutates_args=())
 def dequantize_op(
-    dtype: torch.dtype, weight_tensors: list[Optional[Tensor]], weight_meta: list[int], quant_type: str
+    dtype: torch.dtype, weight_tensors: list[Tensor], weight_meta: list[int], quant_type: str
 ) -> Tensor:
     weight = weight_from_fields(weight_tensors, weight_meta, quant_type)
     return kernels.load().dequant.dequantize_triton(weight, dtype)
@@ -46,7 +46,7 @@ def lora_linear_op(
     lora_b: Optional[Tensor],
     scaling: float,
     lora_x: Optional[Tensor],
-    weight_tensors: list[Optional[Tensor]],
+    weight_tensors: list[Tensor],
     weight_meta: list[int],
     quant_type: str,
 ) -> tuple[Tensor, Tensor]:
@@ -75,7 +75,8 @@ def _backward(ctx, grad_out, grad_xa):
     grads = lora_linear_backward_op(grad_out, grad_xa if lora_a is not None else None, lora_a, lora_b, lora_input, xa,
                                     ctx.bias_dtype, ctx.scaling, needs, ctx.separate, *ctx.weight_fields)  # fmt: skip
     dx, dbias, da, db, dlx = (g if need else None for g, need in zip(grads, needs))
-    return dx, dbias, da, db, None, dlx, None, None, None
+    no_grads = [None] * len(ctx.weight_fields[0])  # one per weight tensor: the structure of the input list
+    return dx, dbias, da, db, None, dlx, no_grads, None, None
 
 
 @torch.library.custom_op("peft_fastlora::lora_linear_backward", mutates_args=())
@@ -90,7 +91,7 @@ def lora_linear_backward_op(
     scaling: float,
     needs: list[bool],
     separate_lora_x: bool,
-    weight_tensors: list[Optional[Tensor]],
+    weight_tensors: list[Tensor],
     weight_meta: list[int],
     quant_type: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -130,7 +131,7 @@ def lora_linear_small_m_op(
     lora_b: Optional[Tensor],
     scaling: float,
     lora_x: Optional[Tensor],
-    weight_tensors: list[Optional[Tensor]],
+    weight_tensors: list[Tensor],
     weight_meta: list[int],
     quant_type: str,
 ) -> Tensor:

@@ -76,15 +76,18 @@ class Packed4bit:
         """Data pointers of the codes and scales: a storage swapped in place (``t.data = ...``) changes the key."""
         return self.data.data_ptr(), self.absmax.data_ptr()
 
-    def to_fields(self) -> tuple[list[Optional[torch.Tensor]], list[int], str]:
-        """``([data, absmax, code, nested_absmax, nested_code, offset], [out, in, blocksize, nested_blocksize],
-        quant_type)``; the inverse is [`weight_from_fields`]."""
-        tensors = [self.data, self.absmax, self.code, self.nested_absmax, self.nested_code, self.offset]
+    def to_fields(self) -> tuple[list[torch.Tensor], list[int], str]:
+        """``([data, absmax, code] (+ [nested_absmax, nested_code, offset] when double-quantized),
+        [out, in, blocksize, nested_blocksize], quant_type)``; the inverse is [`weight_from_fields`]."""
+        tensors = [self.data, self.absmax, self.code]
+        if self.nested:
+            tensors += [self.nested_absmax, self.nested_code, self.offset]
         return tensors, [*self.shape, self.blocksize, self.nested_blocksize], self.quant_type
 
     @classmethod
-    def from_fields(cls, tensors: list[Optional[torch.Tensor]], meta: list[int], quant_type: str) -> Packed4bit:
-        data, absmax, code, nested_absmax, nested_code, offset = tensors
+    def from_fields(cls, tensors: list[torch.Tensor], meta: list[int], quant_type: str) -> Packed4bit:
+        data, absmax, code, *nested = tensors
+        nested_absmax, nested_code, offset = nested or (None, None, None)
         out_features, in_features, blocksize, nested_blocksize = meta
         return cls(data=data, absmax=absmax, code=code, blocksize=int(blocksize),
                    shape=(int(out_features), int(in_features)), nested_absmax=nested_absmax, nested_code=nested_code,
@@ -118,12 +121,12 @@ class Int8Rowwise:
         """Data pointers of the codes and scales: a storage swapped in place (``t.data = ...``) changes the key."""
         return self.cb.data_ptr(), self.scb.data_ptr()
 
-    def to_fields(self) -> tuple[list[Optional[torch.Tensor]], list[int], str]:
+    def to_fields(self) -> tuple[list[torch.Tensor], list[int], str]:
         """``([cb, scb], [out, in], "int8")``; the inverse is [`weight_from_fields`]."""
         return [self.cb, self.scb], [*self.shape], self.quant_type
 
     @classmethod
-    def from_fields(cls, tensors: list[Optional[torch.Tensor]], meta: list[int], quant_type: str) -> Int8Rowwise:
+    def from_fields(cls, tensors: list[torch.Tensor], meta: list[int], quant_type: str) -> Int8Rowwise:
         cb, scb = tensors
         return cls(cb=cb, scb=scb)
 
@@ -131,7 +134,7 @@ class Int8Rowwise:
 QuantizedWeight = Packed4bit | Int8Rowwise
 
 
-def weight_from_fields(tensors: list[Optional[torch.Tensor]], meta: list[int], quant_type: str) -> QuantizedWeight:
+def weight_from_fields(tensors: list[torch.Tensor], meta: list[int], quant_type: str) -> QuantizedWeight:
     """Rebuilds the container that ``weight.to_fields()`` flattened."""
     cls = Int8Rowwise if quant_type == Int8Rowwise.quant_type else Packed4bit
     return cls.from_fields(tensors, meta, quant_type)

@@ -25,7 +25,8 @@ def _scale_blocks(values: torch.Tensor, scales: torch.Tensor, blocksize: int) ->
     n_blocks = -(-n // blocksize)
     if n_blocks * blocksize != n:
         values = F.pad(values, (0, n_blocks * blocksize - n))
-    return (values.view(n_blocks, blocksize) * scales.float()[:n_blocks, None]).view(-1)[:n]
+    # ``scales`` may come in any shape (bitsandbytes' CPU packing stores absmax 2-D): read it flat.
+    return (values.view(n_blocks, blocksize) * scales.float().reshape(-1)[:n_blocks, None]).view(-1)[:n]
 
 
 def decode_absmax(weight: Packed4bit) -> torch.Tensor:
