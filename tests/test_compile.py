@@ -60,8 +60,9 @@ def run_fwd_bwd(fn, module, x, *args):
     return [y.detach()] + [g.clone() for g in grads(module, x)]
 
 
+@pytest.mark.usefixtures("force_triton")
 @pytest.mark.parametrize("bits", [4, 8])
-def test_fullgraph_through_a_fastlora_layer_takes_the_custom_ops(fresh_dynamo, force_triton, tiny_llama_path, bits):
+def test_fullgraph_through_a_fastlora_layer_takes_the_custom_ops(fresh_dynamo, tiny_llama_path, bits):
     layer = fastlora_model(tiny_llama_path, bits).base_model.model.model.layers[0].mlp.down_proj
     assert type(layer).__name__.startswith("FastLora")
     x = torch.randn(3, 5, layer.in_features, dtype=torch.bfloat16, requires_grad=True)
@@ -81,8 +82,9 @@ def test_fullgraph_through_a_fastlora_layer_takes_the_custom_ops(fresh_dynamo, f
     assert "peft_fastlora.lora_linear_small_m" in graphs[-1]
 
 
+@pytest.mark.usefixtures("force_triton")
 @pytest.mark.parametrize("use_checkpoint", [False, True], ids=["plain", "checkpointed"])
-def test_decoder_block_compiles_without_graph_breaks(fresh_dynamo, force_triton, tiny_llama_path, use_checkpoint):
+def test_decoder_block_compiles_without_graph_breaks(fresh_dynamo, tiny_llama_path, use_checkpoint):
     """A Llama decoder block whose 7 linears are FastLoRA layers: one graph, no breaks, forward and grads bit-identical
     to eager, with and without ``torch.utils.checkpoint`` around the block."""
     model = fastlora_model(tiny_llama_path)
@@ -105,7 +107,8 @@ def test_decoder_block_compiles_without_graph_breaks(fresh_dynamo, force_triton,
         assert torch.equal(a, b)
 
 
-def test_decode_step_of_the_whole_model_has_no_graph_breaks(fresh_dynamo, force_triton, tiny_llama_path):
+@pytest.mark.usefixtures("force_triton")
+def test_decode_step_of_the_whole_model_has_no_graph_breaks(fresh_dynamo, tiny_llama_path):
     """One decode step (a single new token, no grad) of the whole FastLoRA model: one graph, the fused small-M op."""
     model = fastlora_model(tiny_llama_path).eval()
     ids = torch.randint(0, 128, (1, 1))
