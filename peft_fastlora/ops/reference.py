@@ -19,14 +19,15 @@ import torch.nn.functional as F
 from .quant_state import INT8_INV_127, Int8Rowwise, Packed4bit, QuantizedWeight
 
 
-def _scale_blocks(values: torch.Tensor, scales: torch.Tensor, blocksize: int) -> torch.Tensor:
-    """``values[i] * scales[i // blocksize]`` in fp32 for a flat fp32 ``values`` of any length (a new tensor)."""
+def _scale_blocks_(values: torch.Tensor, scales: torch.Tensor, blocksize: int) -> torch.Tensor:
+    """``values[i] * scales[i // blocksize]`` in fp32 for a flat fp32 ``values`` of any length, in place when the
+    length is a whole number of blocks (``values`` is always a temporary of the caller's)."""
     n = values.numel()
     n_blocks = -(-n // blocksize)
     if n_blocks * blocksize != n:
         values = F.pad(values, (0, n_blocks * blocksize - n))
     # ``scales`` may come in any shape (bitsandbytes' CPU packing stores absmax 2-D): read it flat.
-    return (values.view(n_blocks, blocksize) * scales.float().reshape(-1)[:n_blocks, None]).view(-1)[:n]
+    return values.view(n_blocks, blocksize).mul_(scales.float().reshape(-1)[:n_blocks, None]).view(-1)[:n]
 
 
 def decode_absmax(weight: Packed4bit) -> torch.Tensor:
@@ -35,7 +36,7 @@ def decode_absmax(weight: Packed4bit) -> torch.Tensor:
         return weight.absmax.float()
     codes = weight.nested_code.float().index_select(0, weight.absmax.reshape(-1).int())
     # Multiply, then add: two roundings, like bitsandbytes (a fused multiply-add would change the last bit).
-    return _scale_blocks(codes, weight.nested_absmax, weight.nested_blocksize) + weight.offset.float()
+    return _scale_blocks_(codes, weight.nested_absmax, weight.nested_blocksize).add_(weight.offset.float())
 
 
 def _byte_table(code: torch.Tensor) -> torch.Tensor:
@@ -50,7 +51,7 @@ def dequantize_4bit_ref(weight: Packed4bit, dtype: torch.dtype) -> torch.Tensor:
     n = weight.numel
     packed = weight.data.contiguous().reshape(-1).view(torch.uint8)[: (n + 1) // 2]
     values = _byte_table(weight.code).index_select(0, packed.int()).view(-1)[:n]
-    return _scale_blocks(values, decode_absmax(weight), weight.blocksize).view(weight.shape).to(dtype)
+    return _scale_blocks_(values, decode_absmax(weight), weight.blocksize).view(weight.shape).to(dtype)
 
 
 def dequantize_int8_ref(weight: Int8Rowwise, dtype: torch.dtype) -> torch.Tensor:
