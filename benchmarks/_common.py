@@ -169,15 +169,15 @@ def internals() -> SimpleNamespace:
         launch_hooks_set: ``() -> bool``, whether Triton launch hooks are set (they slow every launch).
     """
     from peft_fastlora.bnb import int8_from_bnb, packed4bit_from_bnb
-    from peft_fastlora.ops import _launch, fused_small_m
+    from peft_fastlora.ops.kernels import launch, small_m
 
     return SimpleNamespace(
         packed4bit_from_bnb=packed4bit_from_bnb,
         int8_from_bnb=int8_from_bnb,
-        fused_small_m=fused_small_m.fused_lora_linear_small_m,
-        pick_small_m_config=fused_small_m.pick_config,
-        launch_cache_size=lambda: len(_launch._COMPILED),
-        launch_hooks_set=_launch._launch_hooks_set,
+        fused_small_m=lambda x, w, bias, a, b, s: small_m.small_m_linear(x, w, bias, a, b, s, x),
+        pick_small_m_config=small_m.pick_config,
+        launch_cache_size=lambda: len(launch._compiled),
+        launch_hooks_set=launch._launch_hooks_set,
     )
 
 

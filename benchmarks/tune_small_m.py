@@ -3,15 +3,15 @@
 For each weight kind (nf4 with double quant and blocksize 64; int8), shape ``N x K`` and row count M, on bf16
 activations with an r=16 LoRA (random A and B):
 
-1. candidate tilings (``SmallMConfig``) of ``peft_fastlora.ops.fused_small_m`` are checked once against
+1. candidate tilings (``SmallMConfig``) of ``peft_fastlora.ops.kernels.small_m`` are checked once against
    ``lora_linear_ref`` (a wrong one is reported and can never win), then timed;
 2. the fastest three are re-timed; the winner, the heuristic default, the large-M path (``lora_linear_forward``:
    dequantize + cuBLAS) and PEFT's LoRA on bitsandbytes layers (bnb's kernels, gemv at M=1) are timed as forwards;
 3. crossover per (kind, shape): the largest M of the grid at which the fused forward beats the large-M path at that
    M and at every smaller M of the grid (0: it never does).
 
-Timing, as in gpu_kernel_smoke.py: every op cycles over enough weight copies to defeat the L2, all captured in one
-CUDA graph; us per call = replay time / calls. The fused forward is one launch (plus the memset of its counters); the
+Timing, as in bench_layers.py's kernels section: every op cycles over enough weight copies to defeat the L2, all
+captured in one CUDA graph; us per call = replay time / calls. The fused forward is one launch (plus the memset of its counters); the
 LoRA down-projection ``x @ A.T`` is made inside it.
 
 Search. Compiling is what costs: Triton builds one binary per tiling (split_k included; shapes are not constexprs).
@@ -25,7 +25,8 @@ At --time-budget seconds (counted from the start, imports and compiles included)
 measured is written.
 
 Outputs in --out: tune_small_m.csv (one row per kind/shape/M), tune_candidates.csv (every tiling tried),
-tune_small_m.png (us vs M per shape) and small_m_configs.json, the table read by peft_fastlora/ops/tuned.py::
+tune_small_m.png (us vs M per shape) and small_m_configs.json, the table whose format
+``peft_fastlora/ops/kernels/tuning.py`` owns (this script reads, merges and writes it with those functions)::
 
     {"format": 1, "devices": {"<torch.cuda.get_device_name()>": {"torch": ..., "triton": ..., "date": "YYYY-MM-DD",
         "kinds": {"nf4" | "int8": {"<N>x<K>": {"crossover_m": 16, "configs": {"<M>": {"use_dot": false,
@@ -45,7 +46,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import json
 import math
 import multiprocessing
 import os
@@ -55,15 +55,25 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures import TimeoutError as FuturesTimeout  # not the builtin TimeoutError before Python 3.11
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 _T0 = time.monotonic()  # the time budget counts from here
 
 import _common as C  # noqa: E402  (puts the repo root on sys.path)
-import gpu_kernel_smoke as GKS  # noqa: E402
 import torch  # noqa: E402
+
+from peft_fastlora.ops.kernels.tuning import (  # noqa: E402
+    CONFIG_FIELDS,
+    SmallMConfig,
+    effective_split_k,
+    empty_table,
+    merge_tables,
+    read_table,
+    shape_key,
+)
+from peft_fastlora.ops.kernels.tuning import FORMAT as TABLE_FORMAT  # noqa: E402
+from peft_fastlora.ops.kernels.tuning import write_table as _write_table  # noqa: E402
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (N, K) = (out_features, in_features) of Llama-3-8B
 KINDS = ("nf4", "int8")
@@ -71,8 +81,6 @@ MS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 PASS1_MS = (1, 16)
 RANK, SCALING = 16, 2.0  # lora_alpha = 2 r
 JSON_NAME = "small_m_configs.json"
-FORMAT = 1
-CONFIG_FIELDS = ("use_dot", "block_n", "block_k", "split_k", "num_warps", "num_stages")
 
 # Candidate grid. A program holds a (BLOCK_N, BLOCK_K) weight tile (and prefetches the next): 16-64 elements per
 # thread keeps registers low enough for several programs per SM, which is what keeps bytes in flight.
@@ -94,8 +102,8 @@ SUMMARY_COLUMNS = [
     "large_us", "bnb_us", "bnb_timing", "weight_MB", "GBps", "pct_copy", "speedup_vs_default", "speedup_vs_large",
     "speedup_vs_bnb", "crossover_m", "candidates", "wrong", "errors", "status", "note",
 ]  # fmt: skip
-CANDIDATE_COLUMNS = ["kind", "shape", "M", "pass", "source", "config", *CONFIG_FIELDS, "factor_scales", "us",
-                     "rel_err", "status", "error"]  # fmt: skip
+CANDIDATE_COLUMNS = ["kind", "shape", "M", "pass", "source", "config", *CONFIG_FIELDS, "us", "rel_err", "status",
+                     "error"]  # fmt: skip
 
 
 # ---- tilings and the grid (pure: tested on the CPU) ----------------------------------------------------------------
@@ -105,47 +113,24 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@dataclass(frozen=True)
-class Tiling:
-    """Fields of ``SmallMConfig``; ``split_k`` is always the effective one (what ``_launch`` runs).
-
-    ``factor_scales=None`` leaves ``SmallMConfig``'s default (scales factored out of the M=1 4-bit dot products,
-    where the kernel has that option); ``False`` asks for the per-weight scaling.
-    """
-
-    use_dot: bool
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 1
-    factor_scales: Optional[bool] = None
-
-    @property
-    def label(self) -> str:
-        stages = f" st{self.num_stages}" if self.num_stages != 1 else ""
-        unfactored = " unfactored" if self.factor_scales is False else ""
-        path = "dot" if self.use_dot else "fma"
-        return f"{path} n{self.block_n} k{self.block_k} s{self.split_k} w{self.num_warps}{stages}{unfactored}"
-
-    def as_json(self) -> dict:
-        """The ``SmallMConfig`` keyword arguments (and JSON entry): six fields, plus ``factor_scales`` if set."""
-        config = {field: getattr(self, field) for field in CONFIG_FIELDS}
-        if self.factor_scales is not None:
-            config["factor_scales"] = self.factor_scales
-        return config
+# A tiling is a ``SmallMConfig`` whose ``split_k`` is the effective one (what the launcher runs), so equal tilings
+# compare equal and each compiles once.
+Tiling = SmallMConfig
 
 
-def effective_split(k: int, block_k: int, split_k: int) -> int:
-    """The split count ``_launch`` runs for ``split_k`` (it drops empty splits: 8 asked on 14 K-tiles runs 7)."""
-    k_per_split = cdiv(cdiv(k, block_k), split_k) * block_k
-    return cdiv(k, k_per_split)
+def tiling_label(t: SmallMConfig) -> str:
+    stages = f" st{t.num_stages}" if t.num_stages != 1 else ""
+    unfactored = " unfactored" if not t.factor_scales else ""
+    path = "dot" if t.use_dot else "fma"
+    return f"{path} n{t.block_n} k{t.block_k} s{t.split_k} w{t.num_warps}{stages}{unfactored}"
 
 
 def make_tiling(k: int, use_dot: bool, block_n: int, block_k: int, split_k: int = 1, num_warps: int = 4,
-                num_stages: int = 1, factor_scales: Optional[bool] = None) -> Tiling:  # fmt: skip
-    split = effective_split(k, block_k, split_k)
-    return Tiling(bool(use_dot), block_n, block_k, split, num_warps, num_stages, factor_scales)
+                num_stages: int = 1, factor_scales: Optional[bool] = None) -> SmallMConfig:  # fmt: skip
+    """A tiling with its effective ``split_k``; ``factor_scales=None`` keeps ``SmallMConfig``'s default."""
+    split = effective_split_k(k, block_k, split_k)
+    extra = {} if factor_scales is None else {"factor_scales": factor_scales}
+    return SmallMConfig(bool(use_dot), block_n, block_k, split, num_warps, num_stages, **extra)
 
 
 def tile_grid(use_dot: bool, warps=WARPS) -> list[tuple[int, int, int]]:
@@ -165,7 +150,7 @@ def split_candidates(m: int, n: int, k: int, use_dot: bool, block_n: int, block_
     """Effective split_k values whose program count is nearest ``WARPS_PER_SM_TARGET / num_warps`` per SM."""
     tiles = cdiv(n, block_n) * cdiv(m, 16 if use_dot else 1)
     target = sms * WARPS_PER_SM_TARGET / num_warps
-    options = sorted({effective_split(k, block_k, s) for s in SPLITS if s <= cdiv(k, block_k)})
+    options = sorted({effective_split_k(k, block_k, s) for s in SPLITS if s <= cdiv(k, block_k)})
 
     def distance(s: int) -> float:
         return abs(math.log2(tiles * s / target))
@@ -220,10 +205,6 @@ def crossover_m(ms, fused_us: dict, large_us: dict) -> int:
 
 
 # ---- argument parsing ----------------------------------------------------------------------------------------------
-
-
-def shape_key(n: int, k: int) -> str:
-    return f"{n}x{k}"
 
 
 def parse_shapes(value: str) -> list[tuple[int, int]]:
@@ -289,58 +270,18 @@ def shape_entry(by_m: dict[int, dict], ms) -> dict:
     """``{"crossover_m", "configs"}`` of one (kind, shape) from rows ``{M: {"tiling", "fwd_us", "large_us"}}``."""
     fused = {m: r.get("fwd_us") for m, r in by_m.items()}
     large = {m: r.get("large_us") for m, r in by_m.items()}
-    configs = {str(m): by_m[m]["tiling"].as_json() for m in sorted(by_m) if by_m[m].get("tiling") is not None}
+    configs = {str(m): by_m[m]["tiling"].to_json() for m in sorted(by_m) if by_m[m].get("tiling") is not None}
     return {"crossover_m": crossover_m(ms, fused, large), "configs": configs}
 
 
 def device_table(device: str, torch_version: str, triton_version: str, date: str, kinds: dict) -> dict:
-    """A format-1 table holding one device; ``kinds``: ``{kind: {"NxK": shape_entry}}``."""
+    """A table (``tuning.py``'s format) holding one device; ``kinds``: ``{kind: {"NxK": shape_entry}}``."""
     entry = {"torch": torch_version, "triton": triton_version, "date": date, "kinds": kinds}
-    return {"format": FORMAT, "devices": {device: entry}}
-
-
-def check_table(table, source: str) -> dict:
-    if not isinstance(table, dict) or table.get("format") != FORMAT or not isinstance(table.get("devices"), dict):
-        raise ValueError(f"{source} is not a small-M tuning table: expected {{'format': {FORMAT}, 'devices': ...}}.")
-    return table
-
-
-def read_table(path: Path) -> dict:
-    try:
-        table = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f"cannot read the small-M tuning table {str(path)!r}: {err}") from err
-    return check_table(table, repr(str(path)))
-
-
-def merge_tables(base: dict, new: dict) -> dict:
-    """``base`` updated by ``new``: a device's torch/triton/date come from ``new``; a shape in ``new`` replaces that
-    (device, kind, shape) entry; every other device, kind and shape of ``base`` is kept."""
-    merged = json.loads(json.dumps(check_table(base, "the base table")))
-    for device, entry in check_table(new, "the new table")["devices"].items():
-        target = merged["devices"].setdefault(device, {})
-        target.update({key: value for key, value in entry.items() if key != "kinds"})
-        kinds = target.setdefault("kinds", {})
-        for kind, shapes in entry.get("kinds", {}).items():
-            kinds.setdefault(kind, {}).update(shapes)
-    return merged
-
-
-def dumps_table(obj, level: int = 0) -> str:
-    """JSON with one line per tiling (a dict without nested dicts is written inline): short, readable diffs."""
-    if not isinstance(obj, dict) or not any(isinstance(v, dict) for v in obj.values()):
-        return json.dumps(obj)
-    pad = "  " * (level + 1)
-    items = [f"{pad}{json.dumps(str(key))}: {dumps_table(value, level + 1)}" for key, value in obj.items()]
-    return "{\n" + ",\n".join(items) + "\n" + "  " * level + "}"
+    return {"format": TABLE_FORMAT, "devices": {device: entry}}
 
 
 def write_table(path: Path, table: dict) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(dumps_table(check_table(table, "the table to write")) + "\n")
-    os.replace(tmp, path)
+    _write_table(path, table)
     print(f"wrote {path}", flush=True)
 
 
@@ -350,7 +291,7 @@ def merge_into(path: Path, new: dict) -> dict:
         merged = merge_tables(read_table(path), new)
     else:
         print(f"note: {path} does not exist; creating it", flush=True)
-        merged = merge_tables({"format": FORMAT, "devices": {}}, new)
+        merged = merge_tables(empty_table(), new)
     write_table(path, merged)
     return merged
 
@@ -466,7 +407,7 @@ _WORKER_TENSORS: dict = {}  # worker process only: its dummy weights and LoRA fa
 
 def _worker_ready(device: str) -> int:
     """First job of every worker: imports Triton and the kernel and creates the CUDA context."""
-    import peft_fastlora.ops.fused_small_m  # noqa: F401
+    import peft_fastlora.ops.kernels.small_m  # noqa: F401
 
     torch.zeros(1, device=device)
     return os.getpid()
@@ -476,8 +417,8 @@ def _worker_tensors(kind: str, n: int, k: int, device: str):
     key = (kind, n, k, device)
     if key not in _WORKER_TENSORS:
         import bitsandbytes.functional as bnbF
-        from peft_fastlora.bnb_weights import packed4bit_from_bnb
 
+        from peft_fastlora.bnb import packed4bit_from_bnb
         from peft_fastlora.ops.quant_state import Int8Rowwise
 
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
@@ -495,16 +436,16 @@ def _worker_tensors(kind: str, n: int, k: int, device: str):
 def _compile_job(kind: str, tiling: dict, uses: list[tuple[int, int, int]], device: str) -> tuple[Optional[str], float]:
     """Launches ``tiling`` once per (n, k, m) use with the argument types, alignments and sizes of the real run, so
     that every specialization the main process will launch is compiled into Triton's on-disk cache."""
-    from peft_fastlora.ops.fused_small_m import SmallMConfig, _launch
+    from peft_fastlora.ops.kernels.small_m import small_m_linear_tiled
 
     start = time.monotonic()
     try:
-        config = SmallMConfig(**tiling)
+        config = SmallMConfig.from_json(tiling)
         for n, k, m in uses:
             weight, lora_b = _worker_tensors(kind, n, k, device)
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             lora_a = torch.randn(RANK, k, device=device, dtype=torch.bfloat16)
-            _launch(x, weight, None, x, lora_a, lora_b, SCALING, config)
+            small_m_linear_tiled(x, weight, None, x, lora_a, lora_b, SCALING, config)
         C.sync(torch.device(device))
     except Exception as err:  # reported; the main process still tries the tiling (and records its error)
         return C.short_error(err), time.monotonic() - start
@@ -535,7 +476,7 @@ class Precompiler:
             return
         start = time.monotonic()
         print(f"\n-- compiling {len(jobs)} tilings for {label} on {self.workers} processes", flush=True)
-        futures = {self.pool.submit(_compile_job, kind, t.as_json(), uses, self.device): (kind, t)
+        futures = {self.pool.submit(_compile_job, kind, t.to_json(), uses, self.device): (kind, t)
                    for (kind, t), uses in jobs.items()}  # fmt: skip
         finished, busy_s, step = 0, 0.0, max(1, len(jobs) // 8)
         try:
@@ -560,8 +501,9 @@ class Precompiler:
             self.close()
             return
         if finished:
+            failed = sorted(tiling_label(t) for _, t in self.failed)[:6]
             print(f"   {label}: {time.monotonic() - start:.0f} s wall, {busy_s / finished:.1f} s per tiling "
-                  f"(worker time); failed: {sorted(t.label for (_, t) in self.failed)[:6]}", flush=True)  # fmt: skip
+                  f"(worker time); failed: {failed}", flush=True)  # fmt: skip
 
     def close(self) -> None:
         if self.pool is None:
@@ -592,7 +534,8 @@ class Case:
     def __init__(self, kind: str, n: int, k: int, device: torch.device, l2_mb: float):
         import bench_layers
         from peft import LoraConfig, get_peft_model
-        from peft_fastlora.bnb_weights import int8_from_bnb, packed4bit_from_bnb
+
+        from peft_fastlora.bnb import int8_from_bnb, packed4bit_from_bnb
 
         self.kind, self.n, self.k, self.shape = kind, n, k, shape_key(n, k)
         quant = "nf4-dq" if kind == "nf4" else "int8"
@@ -605,8 +548,8 @@ class Case:
             return layer, int8_from_bnb(w) if kind == "int8" else packed4bit_from_bnb(w.data, w.quant_state)
 
         first = base_layer()
-        self.weight_bytes = GKS.weight_bytes(first[1])
-        self.copies = GKS.copies_for(self.weight_bytes, l2_mb)
+        self.weight_bytes = C.weight_bytes(first[1])
+        self.copies = C.copies_for(self.weight_bytes, l2_mb)
         built = [first] + [base_layer() for _ in range(self.copies - 1)]
         self.weights = [w for _, w in built]
         config = LoraConfig(r=RANK, lora_alpha=int(SCALING * RANK), target_modules=r"layers\.\d+", lora_dropout=0.0,
@@ -639,7 +582,7 @@ class _Stack(torch.nn.Module):
 
 
 class Tuner:
-    def __init__(self, args, device: torch.device, timer: Callable = GKS.graph_time_us):
+    def __init__(self, args, device: torch.device, timer: Callable = C.graph_time_us):
         self.args, self.device, self.timer = args, device, timer
         self.ms = list(args.ms)
         self.deadline = args.time_budget - FINALIZE_RESERVE_S
@@ -676,28 +619,14 @@ class Tuner:
         return next((m for m in self.pass1_ms() if m > 1), None)
 
     def default_tiling(self, m: int, n: int, k: int) -> Tiling:
-        from peft_fastlora.ops import fused_small_m as fsm
+        """The heuristic's tiling (what an untabled shape runs), with its effective split."""
+        from peft_fastlora.ops.kernels.small_m import heuristic_config
 
-        heuristic = getattr(fsm, "heuristic_config", None)  # pick_config may read a shipped table instead
-        config = heuristic(m, n, k, self.device) if heuristic else fsm.pick_config(m, n, k, self.device)
-        factor_scales = getattr(config, "factor_scales", None)
-        if factor_scales == self.factor_scales_default:
-            factor_scales = None  # the same kernel as the grid's tilings, which leave it unset
-        return make_tiling(k, **{field: getattr(config, field) for field in CONFIG_FIELDS}, factor_scales=factor_scales)
-
-    @property
-    def factor_scales_default(self) -> Optional[bool]:
-        """``SmallMConfig``'s default ``factor_scales``, or None where the kernel has no such option."""
-        import dataclasses
-
-        from peft_fastlora.ops.fused_small_m import SmallMConfig
-
-        fields = {f.name: f.default for f in dataclasses.fields(SmallMConfig)}
-        return fields.get("factor_scales")
+        config = heuristic_config(m, n, k, self.device)
+        return make_tiling(k, **{field: getattr(config, field) for field in CONFIG_FIELDS})
 
     def pass1_candidates(self, case: Case, m: int) -> list[tuple[Tiling, str]]:
-        unfactored = case.kind == "nf4" and self.factor_scales_default is True
-        grid = candidate_grid(m, case.n, case.k, self.sms, unfactored)
+        grid = candidate_grid(m, case.n, case.k, self.sms, unfactored=case.kind == "nf4")
         return [(self.default_tiling(m, case.n, case.k), "default")] + [(t, "grid") for t in grid]
 
     def pass2_candidates(self, case: Case, m: int) -> list[tuple[Tiling, str]]:
@@ -719,10 +648,10 @@ class Tuner:
     def forward_calls(self, case: Case, x: torch.Tensor, tiling: Tiling) -> list[Callable]:
         """The fused forward with an explicit tiling: one launch (plus the memset of its counters), the LoRA
         down-projection included."""
-        from peft_fastlora.ops.fused_small_m import SmallMConfig, _launch
+        from peft_fastlora.ops.kernels.small_m import small_m_linear_tiled
 
-        config, s = SmallMConfig(**tiling.as_json()), case.scaling
-        return [lambda w=w, a=a, b=b: _launch(x, w, None, x, a, b, s, config)
+        s = case.scaling
+        return [lambda w=w, a=a, b=b: small_m_linear_tiled(x, w, None, x, a, b, s, tiling)
                 for w, a, b in zip(case.weights, case.lora_a, case.lora_b)]  # fmt: skip
 
     def provider_us(self, calls: list[Callable], reps: int) -> tuple[Optional[float], str]:
@@ -762,7 +691,7 @@ class Tuner:
 
     @torch.no_grad()
     def _measure(self, case: Case, m: int, candidates: list[tuple[Tiling, str]], phase: str) -> None:
-        from peft_fastlora.ops.fused_small_m import SmallMConfig, _launch
+        from peft_fastlora.ops.kernels.small_m import small_m_linear_tiled
         from peft_fastlora.ops.lora_linear import lora_linear_forward
         from peft_fastlora.ops.reference import lora_linear_ref
 
@@ -780,11 +709,11 @@ class Tuner:
             seen.add(tiling)
             if self.out_of_time():
                 break
-            row = dict(kind=case.kind, shape=case.shape, M=m, source=source, config=tiling.label, **tiling.as_json())
+            row = dict(kind=case.kind, shape=case.shape, M=m, source=source, config=tiling_label(tiling),
+                       **tiling.to_json())
             row["pass"] = phase
             try:
-                y = _launch(x, case.weights[0], None, x, case.lora_a[0], case.lora_b[0], s,
-                            SmallMConfig(**tiling.as_json()))
+                y = small_m_linear_tiled(x, case.weights[0], None, x, case.lora_a[0], case.lora_b[0], s, tiling)
                 rel = ((y.float() - ref).abs().max() / ref_max).item()
                 if not math.isfinite(rel) or rel > TOLERANCE:
                     row.update(status="wrong", rel_err=rel, error=f"max error {rel:.3g} x max |reference|")
@@ -796,7 +725,8 @@ class Tuner:
                 self.check_health()
             if row["status"] != "ok":
                 counts[row["status"]] += 1
-                print(f"   {case.kind} {case.shape} M={m} {tiling.label}: {row['status']}: {row['error']}", flush=True)
+                label = tiling_label(tiling)
+                print(f"   {case.kind} {case.shape} M={m} {label}: {row['status']}: {row['error']}", flush=True)
             self.cand_rows.append(row)
         summary = dict(kind=case.kind, shape=case.shape, N=case.n, K=case.k, M=m, candidates=len(seen),
                        wrong=counts["wrong"], errors=counts["error"], weight_MB=case.weight_bytes / 1e6)  # fmt: skip
@@ -817,13 +747,13 @@ class Tuner:
         default_fwd = None
         if default in timed:
             default_fwd = fwd_us if default == best else self.timer(self.forward_calls(case, x, default), 2 * reps)
-        large = [lambda w=w, a=a, b=b: lora_linear_forward(x, w, None, a, b, s)
+        large = [lambda w=w, a=a, b=b: lora_linear_forward(x, None, a, b, s, None, w)
                  for w, a, b in zip(case.weights, case.lora_a, case.lora_b)]  # fmt: skip
         large_us, large_note = self.provider_us(large, 2 * reps)
         bnb_us, bnb_note = self.provider_us([lambda layer=layer: layer(x) for layer in case.layers], 2 * reps)
         gbps = case.weight_bytes / retimed[best] / 1e3
         summary.update(
-            tiling=best, best=best.label, best_us=retimed[best], fwd_us=fwd_us, default=default.label,
+            tiling=best, best=tiling_label(best), best_us=retimed[best], fwd_us=fwd_us, default=tiling_label(default),
             default_us=retimed.get(default), default_fwd_us=default_fwd, large_us=large_us, bnb_us=bnb_us,
             bnb_timing=bnb_note, GBps=gbps, pct_copy=100 * gbps / self.copy_gbs if self.copy_gbs else None,
             speedup_vs_default=_ratio(default_fwd, fwd_us), speedup_vs_large=_ratio(large_us, fwd_us),
@@ -862,7 +792,7 @@ class Tuner:
         import peft  # noqa: F401
         import triton  # noqa: F401
 
-        import peft_fastlora.ops.fused_small_m  # noqa: F401
+        import peft_fastlora.ops.kernels.small_m  # noqa: F401
 
         C.setup_run()
         torch.manual_seed(0)
@@ -883,7 +813,7 @@ class Tuner:
 
         plan1 = [(c, m, self.pass1_candidates(c, m)) for c in self.cases for m in self.pass1_ms()]
         self.precompiler.run(self.compile_jobs(plan1), "pass 1", self.time_left)
-        self.copy_gbs = GKS.copy_bandwidth()
+        self.copy_gbs = C.copy_bandwidth_gbps()
         print(f"\n-- pass 1 (M in {self.pass1_ms()}): full grids; d2d copy {self.copy_gbs:.0f} GB/s", flush=True)
         for case, m, candidates in plan1:
             if self.out_of_time():

@@ -14,6 +14,8 @@ sys.path.insert(0, str(BENCH))
 
 import tune_small_m as T  # noqa: E402
 
+from peft_fastlora.ops.kernels import tuning  # noqa: E402
+
 SMS = 132
 FIELDS = {"use_dot", "block_n", "block_k", "split_k", "num_warps", "num_stages"}
 
@@ -75,12 +77,12 @@ def test_plan_needs_no_gpu(capsys):
 
 
 def test_effective_split_is_what_launch_runs():
-    assert T.effective_split(14336, 1024, 8) == 7  # 14 K-tiles: 2 per split -> 7 splits
-    assert T.effective_split(4096, 512, 16) == 8  # no more splits than K-tiles
-    assert T.effective_split(4096, 128, 1) == 1
+    assert T.effective_split_k(14336, 1024, 8) == 7  # 14 K-tiles: 2 per split -> 7 splits
+    assert T.effective_split_k(4096, 512, 16) == 8  # no more splits than K-tiles
+    assert T.effective_split_k(4096, 128, 1) == 1
     for k, bk, s in [(4096, 128, 7), (14336, 256, 6), (4096, 64, 16), (14336, 1024, 3)]:
-        e = T.effective_split(k, bk, s)
-        assert 1 <= e <= s and T.effective_split(k, bk, e) == e  # stable: what we store is what runs
+        e = T.effective_split_k(k, bk, s)
+        assert 1 <= e <= s and T.effective_split_k(k, bk, e) == e  # stable: what we store is what runs
         k_per_split = T.cdiv(T.cdiv(k, bk), e) * bk
         assert (e - 1) * k_per_split < k <= e * k_per_split  # no empty split
 
@@ -94,7 +96,7 @@ def test_grid_is_pruned_and_valid(n, k, m):
         assert is_pow2(t.block_n) and is_pow2(t.block_k) and is_pow2(t.num_warps) and 16 <= t.block_k <= k
         per_thread = t.block_n * t.block_k // (32 * t.num_warps)
         assert T.ELEMS_PER_THREAD[0] <= per_thread <= T.ELEMS_PER_THREAD[1], t
-        assert t.split_k == T.effective_split(k, t.block_k, t.split_k), t
+        assert t.split_k == T.effective_split_k(k, t.block_k, t.split_k), t
         assert t.num_stages == 1
         if t.use_dot:
             assert t.block_n >= 16 and t.num_warps <= t.block_n // 4, t
@@ -102,7 +104,7 @@ def test_grid_is_pruned_and_valid(n, k, m):
         assert any(t.use_dot for t in grid) and any(not t.use_dot for t in grid)
         assert any(t.factor_scales is False for t in grid)
     else:
-        assert all(t.use_dot and t.factor_scales is None for t in grid)
+        assert all(t.use_dot and t.factor_scales is True for t in grid)
 
 
 def test_compiled_variants_stay_few():
@@ -155,6 +157,15 @@ def test_crossover_rule(fused, large, expected):
 # ---- JSON table ----------------------------------------------------------------------------------------------------
 
 
+def test_the_tuner_uses_the_package_table_format():
+    """One owner of the format and of the tiling record: the tuner imports them, it does not re-declare them."""
+    assert T.Tiling is tuning.SmallMConfig
+    for name in ("merge_tables", "read_table", "effective_split_k", "shape_key"):
+        assert getattr(T, name) is getattr(tuning, name), name
+    table = T.results_table(fake_rows(), MS, "NVIDIA H200", "2.11.0", "3.6.0", "2025-01-31")
+    assert tuning.check_table(table, "results") is table
+
+
 def fake_rows() -> list[dict]:
     rows = []
     fma = T.make_tiling(4096, False, 8, 1024, 1, 4)
@@ -165,9 +176,9 @@ def fake_rows() -> list[dict]:
     for kind, shape, n, k in [("nf4", "4096x4096", 4096, 4096), ("int8", "14336x4096", 14336, 4096)]:
         for m, fwd, large in [t for t in timings if kind == "int8" or t[0] not in (4, 8)]:
             tiling = (unfactored if kind == "nf4" else fma) if m == 1 else dot
-            rows.append(dict(kind=kind, shape=shape, N=n, K=k, M=m, tiling=tiling, best=tiling.label, best_us=fwd - 1,
-                             fwd_us=fwd, default_us=fwd, default_fwd_us=fwd + 1, large_us=large, bnb_us=12.0,
-                             weight_MB=9.4, GBps=2000.0, pct_copy=50.0, candidates=40, wrong=1, errors=0,
+            rows.append(dict(kind=kind, shape=shape, N=n, K=k, M=m, tiling=tiling, best=T.tiling_label(tiling),
+                             best_us=fwd - 1, fwd_us=fwd, default_us=fwd, default_fwd_us=fwd + 1, large_us=large,
+                             bnb_us=12.0, weight_MB=9.4, GBps=2000.0, pct_copy=50.0, candidates=40, wrong=1, errors=0,
                              status="ok"))  # fmt: skip
     rows.append(dict(kind="int8", shape="14336x4096", N=14336, K=4096, M=32, candidates=3, wrong=3, errors=0,
                      status="no verified tiling"))  # fmt: skip
@@ -191,7 +202,7 @@ def test_table_has_the_loader_format():
                                      "num_stages": 1}  # fmt: skip
     # factor_scales is written only where a tiling sets it.
     assert device["kinds"]["nf4"]["4096x4096"]["configs"]["1"]["factor_scales"] is False
-    assert json.loads(T.dumps_table(table)) == table
+    assert json.loads(tuning.dumps_table(table)) == table
 
 
 def test_json_is_one_line_per_tiling(tmp_path):

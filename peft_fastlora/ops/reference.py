@@ -1,7 +1,12 @@
-"""Pure-torch twins of every Triton op: the CPU path and the test oracle.
+"""Pure-torch twins of every Triton op: the CPU path, and what the kernels are compared with.
 
 Each function has the same signature as its kernel counterpart. Math is done in fp32 and rounded once to the
 requested dtype, which is what bitsandbytes' own dequantization does, so these results are bit-exact with it.
+
+This is a production path (every CPU forward dequantizes through it), so it is written for speed: table lookups
+through ``index_select`` with int32 indices and per-block scales applied by broadcasting over a
+``(n_blocks, blocksize)`` view, never a per-element index tensor or a repeated scale. The tests check it against a
+separate, literal oracle (``tests/ops/helpers.py``) and against bitsandbytes.
 """
 
 from __future__ import annotations
@@ -11,35 +16,42 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .quant_state import Int8Rowwise, Packed4bit, QuantizedWeight
-
-# bitsandbytes divides by 127 as a multiply by this fp32 reciprocal; using the same constant keeps us bit-exact.
-INT8_INV_127 = 7.874015718698502e-3
+from .quant_state import INT8_INV_127, Int8Rowwise, Packed4bit, QuantizedWeight
 
 
-def _blockwise_scale(values: torch.Tensor, scales: torch.Tensor, blocksize: int) -> torch.Tensor:
-    """``values[i] * scales[i // blocksize]`` in fp32 for a flat ``values`` of any length."""
+def _scale_blocks_(values: torch.Tensor, scales: torch.Tensor, blocksize: int) -> torch.Tensor:
+    """``values[i] * scales[i // blocksize]`` in fp32 for a flat fp32 ``values`` of any length, in place when the
+    length is a whole number of blocks (``values`` is always a temporary of the caller's)."""
     n = values.numel()
-    per_element = scales.float().repeat_interleave(blocksize)[:n]
-    return values.float() * per_element
+    n_blocks = -(-n // blocksize)
+    if n_blocks * blocksize != n:
+        values = F.pad(values, (0, n_blocks * blocksize - n))
+    # ``scales`` may come in any shape (bitsandbytes' CPU packing stores absmax 2-D): read it flat.
+    return values.view(n_blocks, blocksize).mul_(scales.float().reshape(-1)[:n_blocks, None]).view(-1)[:n]
 
 
 def decode_absmax(weight: Packed4bit) -> torch.Tensor:
     """Returns the fp32 per-block scales, decoding the double-quantized absmax when present."""
     if not weight.nested:
         return weight.absmax.float()
-    codes = weight.nested_code[weight.absmax.reshape(-1).long()]
-    absmax = _blockwise_scale(codes, weight.nested_absmax, weight.nested_blocksize)
-    return absmax + weight.offset.float()
+    codes = weight.nested_code.float().index_select(0, weight.absmax.reshape(-1).int())
+    # Multiply, then add: two roundings, like bitsandbytes (a fused multiply-add would change the last bit).
+    return _scale_blocks_(codes, weight.nested_absmax, weight.nested_blocksize).add_(weight.offset.float())
+
+
+def _byte_table(code: torch.Tensor) -> torch.Tensor:
+    """(256, 2) fp32: the values of a packed byte's high and low nibble, so one lookup decodes two elements."""
+    byte = torch.arange(256, device=code.device)
+    code = code.float()
+    return torch.stack([code[byte >> 4], code[byte & 0xF]], dim=1)
 
 
 def dequantize_4bit_ref(weight: Packed4bit, dtype: torch.dtype) -> torch.Tensor:
     """Dequantizes a 4-bit weight to ``dtype`` (shape ``weight.shape``), math in fp32 with one final rounding."""
     n = weight.numel
-    packed = weight.data.contiguous().reshape(-1).view(torch.uint8)
-    nibbles = torch.stack([packed >> 4, packed & 0xF], dim=-1).reshape(-1)[:n]
-    values = weight.code.float()[nibbles.long()]
-    return _blockwise_scale(values, decode_absmax(weight), weight.blocksize).reshape(weight.shape).to(dtype)
+    packed = weight.data.contiguous().reshape(-1).view(torch.uint8)[: (n + 1) // 2]
+    values = _byte_table(weight.code).index_select(0, packed.int()).view(-1)[:n]
+    return _scale_blocks_(values, decode_absmax(weight), weight.blocksize).view(weight.shape).to(dtype)
 
 
 def dequantize_int8_ref(weight: Int8Rowwise, dtype: torch.dtype) -> torch.Tensor:
@@ -49,9 +61,9 @@ def dequantize_int8_ref(weight: Int8Rowwise, dtype: torch.dtype) -> torch.Tensor
 
 def dequantize_ref(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     """Dequantizes either kind of quantized weight to ``dtype``."""
-    if isinstance(weight, Packed4bit):
-        return dequantize_4bit_ref(weight, dtype)
-    return dequantize_int8_ref(weight, dtype)
+    if isinstance(weight, Int8Rowwise):
+        return dequantize_int8_ref(weight, dtype)
+    return dequantize_4bit_ref(weight, dtype)
 
 
 def lora_linear_ref(

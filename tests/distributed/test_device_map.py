@@ -71,7 +71,7 @@ def _record_calls(monkeypatch):
 def _fastlora_kernel_names() -> set[str]:
     """Names of the Triton kernels in ``peft_fastlora/ops`` (``@triton.jit`` functions called ``_..._kernel``)."""
     ops_dir = Path(peft_fastlora.ops.__file__).parent
-    return {m for f in ops_dir.glob("*.py") for m in re.findall(r"^def (_\w+_kernel)\(", f.read_text(), re.M)}
+    return {m for f in ops_dir.rglob("*.py") for m in re.findall(r"^def (_\w+_kernel)\(", f.read_text(), re.M)}
 
 
 def _kernels_per_device(prof, names: set[str]) -> dict[int, int]:

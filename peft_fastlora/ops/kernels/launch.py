@@ -1,4 +1,4 @@
-"""Low-overhead Triton launches for kernels called on every training step.
+"""Low-overhead Triton launches for kernels called on every layer call, and the small launch utilities.
 
 ``kernel[grid](...)`` costs tens of microseconds of Python per call (Triton 3.6-3.9 bind every argument, read its
 knobs and build a cache key from strings), which is as long as the 4096x4096 dequant itself. Here the first launch of
@@ -6,9 +6,11 @@ a given specialization goes through ``kernel[grid]`` (compiling if needed) and k
 later launches call its launcher directly (``CompiledKernel.run``, the same call and arguments that
 ``JITFunction.run`` makes in Triton 3.6 and 3.9).
 
-The cache key covers everything Triton specializes on, and more: the device, every tensor argument's dtype and 16-byte
-alignment, every int/bool/constexpr argument by value, floats by type, and the launch options. It is keyed by device,
-so a kernel compiled for (loaded on) one GPU is never launched on another.
+Caching: ``_compiled`` maps (kernel, device index, specialization key, launch options) to a ``CompiledKernel``. The
+key covers everything Triton specializes on, and more: every tensor argument's dtype and 16-byte alignment, every
+int/bool/constexpr argument by value, floats by type, and the launch options; the device index keeps a kernel loaded
+on one GPU from being launched on another. It is bounded by ``MAX_COMPILED`` entries: when full it is emptied, and
+the next launches go through ``kernel[grid]`` again (Triton's own cache makes that a lookup, not a compile).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import contextlib
 import torch
 import triton
 
-_COMPILED: dict = {}  # (kernel, device index, specialization key, options) -> CompiledKernel
+MAX_COMPILED = 4096
+_compiled: dict = {}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -31,8 +34,18 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
-def _is_interpreted(kernel) -> bool:
+def is_interpreted(kernel) -> bool:
+    """Whether ``kernel`` runs under the Triton interpreter (``TRITON_INTERPRET=1`` when Triton was imported)."""
     return type(kernel).__name__ == "InterpretedFunction"
+
+
+def require_launchable(kernel, device: torch.device) -> None:
+    """CPU tensors need the Triton interpreter; say so instead of failing inside Triton."""
+    if device.type != "cuda" and not is_interpreted(kernel):
+        raise RuntimeError(
+            f"Triton kernels need CUDA tensors, got tensors on {device}. Set `TRITON_INTERPRET=1` before importing "
+            "triton to run them on CPU, or use `peft_fastlora.ops.reference` instead."
+        )
 
 
 _PLAIN = frozenset({int, bool, str, type(None)})
@@ -71,17 +84,19 @@ def launch(kernel, grid: tuple, args: tuple, device: torch.device, **options) ->
     hooks (e.g. a profiler's) always take the regular ``kernel[grid]`` path.
     """
     grid = tuple(grid) + (1,) * (3 - len(grid))
-    if _is_interpreted(kernel):
+    if is_interpreted(kernel):
         kernel[grid](*args, **options)
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (kernel, index, _specialization(args), tuple(sorted(options.items())))
-    compiled = _COMPILED.get(key)
+    compiled = _compiled.get(key)
     with device_context(device):
         if compiled is None or _launch_hooks_set():
             compiled = kernel[grid](*args, **options)
             if compiled is not None and not hasattr(compiled, "result"):  # skip async-compile futures
-                _COMPILED[key] = compiled
+                if len(_compiled) >= MAX_COMPILED:
+                    _compiled.clear()
+                _compiled[key] = compiled
             return
         stream = torch._C._cuda_getCurrentRawStream(index)
         compiled.run(

@@ -1,4 +1,5 @@
-"""The fused small-M quantized linear + LoRA kernel vs ``lora_linear_ref`` (and vs an fp64 oracle).
+"""``ops/kernels/small_m.py``: the fused small-M quantized linear + LoRA kernel vs ``lora_linear_ref`` (and vs an
+fp64 oracle).
 
 Two checks per result:
 
@@ -12,26 +13,28 @@ Two checks per result:
   rounds once and that W is rounded to ``x.dtype`` exactly as the reference does.
 """
 
-import math
+import os
 
-import bitsandbytes.functional as bnbF
 import pytest
 import torch
 import torch.nn.functional as F
-from peft_fastlora.bnb_weights import packed4bit_from_bnb
 
-from peft_fastlora.ops.fused_small_m import (
-    SMALL_M_MAX,
-    SmallMConfig,
-    _launch,
-    fused_lora_linear_small_m,
-    pick_config,
-    weight_kind,
-)
-from peft_fastlora.ops.quant_state import Int8Rowwise, Packed4bit
+from peft_fastlora.ops.kernels.tuning import SmallMConfig
+from peft_fastlora.ops.quant_state import Packed4bit
 from peft_fastlora.ops.reference import dequantize_ref, lora_linear_ref
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from .helpers import DEVICE, make_inputs, make_weight
+
+if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1", allow_module_level=True)
+from peft_fastlora.ops.kernels.small_m import (  # noqa: E402
+    XA_MAX_CHUNKS,
+    pick_config,
+    small_m_linear,
+    small_m_linear_tiled,
+    weight_kind,
+    xa_chunking,
+)
 
 TOLERANCES = [
     (torch.float32, 1e-5, 1e-5),
@@ -41,25 +44,9 @@ TOLERANCES = [
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
 
-def make_weight(kind: str, n: int, k: int):
-    """``kind``: "<nf4|fp4>-<blocksize>[-nested]" or "int8"."""
-    w = torch.randn(n, k, device=DEVICE)
-    if kind == "int8":
-        cb, scb, _ = bnbF.int8_vectorwise_quant(w.half())
-        return Int8Rowwise(cb=cb, scb=scb)
-    quant_type, blocksize, *nested = kind.split("-")
-    q, st = bnbF.quantize_4bit(w, blocksize=int(blocksize), quant_type=quant_type, compress_statistics=bool(nested))
-    return packed4bit_from_bnb(q, st)
-
-
-def make_inputs(lead, n, k, dtype, r=8, bias=True, lora=True, lora_x=True, adapter_dtype=None, bias_dtype=None):
-    adapter_dtype = adapter_dtype or dtype
-    x = (torch.randn(*lead, k, device=DEVICE) / math.sqrt(k)).to(dtype)
-    b = torch.randn(n, device=DEVICE).to(bias_dtype or dtype) if bias else None
-    a = (torch.randn(r, k, device=DEVICE) / math.sqrt(k)).to(adapter_dtype) if lora else None
-    bb = (torch.randn(n, r, device=DEVICE) / math.sqrt(r)).to(adapter_dtype) if lora else None
-    lx = (torch.randn(*lead, k, device=DEVICE) / math.sqrt(k)).to(dtype) if (lora and lora_x) else None
-    return x, b, a, bb, lx
+def inputs(lead, n, k, dtype, **options):
+    """``make_inputs`` with a separate LoRA input unless ``lora_x=False``."""
+    return make_inputs(lead, n, k, dtype, **{"lora_x": True, **options})
 
 
 def factored(weight, config: SmallMConfig) -> bool:
@@ -143,8 +130,8 @@ LEADS = {1: (1,), 3: (3,), 16: (2, 8)}  # M = 16 as a 3-D input
 @pytest.mark.parametrize("kind", ["nf4-64-nested", "fp4-128", "int8"])
 def test_matches_reference(kind, m, dtype, atol, rtol):
     weight = make_weight(kind, N, K)
-    x, bias, a, b, lx = make_inputs(LEADS[m], N, K, dtype)
-    y = fused_lora_linear_small_m(x, weight, bias, a, b, 0.5, lx)
+    x, bias, a, b, lx = inputs(LEADS[m], N, K, dtype)
+    y = small_m_linear(x, weight, bias, a, b, 0.5, lx)
     check(y, x, weight, bias, a, b, 0.5, lx, atol, rtol)
 
 
@@ -155,8 +142,8 @@ def test_4bit_rows_not_made_of_whole_blocks(shape, kind, m, dtype, atol, rtol):
     """Odd K and K % blocksize != 0: rows start mid-byte or mid-block (the per-element path)."""
     n, k = shape
     weight = make_weight(kind, n, k)
-    x, bias, a, b, lx = make_inputs((m,), n, k, dtype)
-    check(fused_lora_linear_small_m(x, weight, bias, a, b, 2.0, lx), x, weight, bias, a, b, 2.0, lx, atol, rtol)
+    x, bias, a, b, lx = inputs((m,), n, k, dtype)
+    check(small_m_linear(x, weight, bias, a, b, 2.0, lx), x, weight, bias, a, b, 2.0, lx, atol, rtol)
 
 
 OPTIONS = {
@@ -174,8 +161,8 @@ OPTIONS = {
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_optional_terms(option, m, dtype, atol, rtol):
     weight = make_weight("nf4-64-nested", N, K)
-    x, bias, a, b, lx = make_inputs((m,), N, K, dtype, **OPTIONS[option])
-    y = fused_lora_linear_small_m(x, weight, bias, a, b, 0.25, lx)
+    x, bias, a, b, lx = inputs((m,), N, K, dtype, **OPTIONS[option])
+    y = small_m_linear(x, weight, bias, a, b, 0.25, lx)
     check(y, x, weight, bias, a, b, 0.25, lx, atol, rtol)
 
 
@@ -197,10 +184,11 @@ TILINGS = [
 @pytest.mark.parametrize("kind,m,config", TILINGS, ids=str)
 def test_tilings_and_split_k(kind, m, config, dtype, atol, rtol):
     weight = make_weight(kind, N, K)
-    x, bias, a, b, lx = make_inputs((m,), N, K, dtype)
-    y = _launch(x, weight, bias, lx, a, b, 0.5, config)
+    x, bias, a, b, lx = inputs((m,), N, K, dtype)
+    y = small_m_linear_tiled(x, weight, bias, lx, a, b, 0.5, config)
     check(y, x, weight, bias, a, b, 0.5, lx, atol, rtol, factored_scales=factored(weight, config))
-    assert torch.equal(y, _launch(x, weight, bias, lx, a, b, 0.5, config)), "split-K reduction is not deterministic"
+    again = small_m_linear_tiled(x, weight, bias, lx, a, b, 0.5, config)
+    assert torch.equal(y, again), "split-K reduction is not deterministic"
 
 
 XA_CASES = [
@@ -219,57 +207,31 @@ def test_lora_down_projection_in_chunks(kind, m, config, dtype, atol, rtol, k):
     """xa = x_lora @ A.T is made in K chunks by the first programs; an epilogue that finds the chunk count incomplete
     makes them itself (the interpreter runs programs one by one, so both happen in one launch). Either way: right and
     the same bits on every call."""
-    from peft_fastlora.ops.fused_small_m import _xa_chunking
-
     if kind.startswith("fp4") and k % 64:
         pytest.skip("fp4-64 rows of whole blocks only here")
     weight = make_weight(kind, N, k)
-    x, bias, a, b, lx = make_inputs((m,), N, k, dtype, r=12, adapter_dtype=torch.float32 if m == 3 else None)
+    x, bias, a, b, lx = inputs((m,), N, k, dtype, r=12, adapter_dtype=torch.float32 if m == 3 else None)
     grid_n = -(-N // config.block_n)
-    assert _xa_chunking(k, grid_n * config.split_k)[2] > 1  # several chunks, so the ordering matters
-    y = _launch(x, weight, bias, lx, a, b, 0.75, config)
+    assert xa_chunking(k, grid_n * config.split_k)[2] > 1  # several chunks, so the ordering matters
+    y = small_m_linear_tiled(x, weight, bias, lx, a, b, 0.75, config)
     check(y, x, weight, bias, a, b, 0.75, lx, atol, rtol, factored_scales=factored(weight, config))
-    assert torch.equal(y, _launch(x, weight, bias, lx, a, b, 0.75, config))
+    assert torch.equal(y, small_m_linear_tiled(x, weight, bias, lx, a, b, 0.75, config))
 
 
 def test_xa_chunking_never_needs_more_programs_than_there_are():
-    from peft_fastlora.ops.fused_small_m import XA_MAX_CHUNKS, _xa_chunking
-
     for k in (16, 33, 192, 640, 4096, 14336, 14337):
         for programs in (1, 2, 3, 7, 16, 1024):
-            block, chunk, n_chunks = _xa_chunking(k, programs)
+            block, chunk, n_chunks = xa_chunking(k, programs)
             assert chunk % block == 0 and n_chunks * chunk >= k > (n_chunks - 1) * chunk
             assert n_chunks <= min(programs, XA_MAX_CHUNKS), (k, programs, n_chunks)
 
 
 def test_no_rows_and_strided_rows():
     weight = make_weight("nf4-64-nested", N, K)
-    assert fused_lora_linear_small_m(torch.empty(0, K, device=DEVICE), weight, None, None, None, 1.0).shape == (0, N)
+    assert small_m_linear(torch.empty(0, K, device=DEVICE), weight, None, None, None, 1.0, None).shape == (0, N)
     x = torch.randn(2, 2 * K, device=DEVICE)[:, :K]  # row stride 2K
-    y = fused_lora_linear_small_m(x, weight, None, None, None, 1.0)
+    y = small_m_linear(x, weight, None, None, None, 1.0, None)
     torch.testing.assert_close(y, lora_linear_ref(x, weight, None, None, None, 1.0), atol=1e-5, rtol=1e-5)
-    assert SMALL_M_MAX == 16
-
-
-def test_bad_inputs_raise_clear_errors():
-    weight = make_weight("nf4-64-nested", N, K)
-    x, bias, a, b, lx = make_inputs((2,), N, K, torch.float16)
-    with pytest.raises(ValueError, match=r"`x` must have shape \(\.\.\., 192\)"):
-        fused_lora_linear_small_m(x[:, :-1], weight, bias, a, b, 1.0)
-    with pytest.raises(ValueError, match="`x` must have dtype in"):
-        fused_lora_linear_small_m(x.to(torch.int32), weight, bias, a, b, 1.0)
-    with pytest.raises(ValueError, match=r"`bias` must have shape \(40,\)"):
-        fused_lora_linear_small_m(x, weight, bias[:-1], a, b, 1.0)
-    with pytest.raises(ValueError, match="`lora_a` and `lora_b` must be given together"):
-        fused_lora_linear_small_m(x, weight, bias, a, None, 1.0)
-    with pytest.raises(ValueError, match=r"`lora_b` must have shape \(40, 8\)"):
-        fused_lora_linear_small_m(x, weight, bias, a, b[:, :4], 1.0)
-    with pytest.raises(ValueError, match=r"`lora_x` must have the shape of `x`"):
-        fused_lora_linear_small_m(x, weight, bias, a, b, 1.0, lx[:1])
-    with pytest.raises(ValueError, match="`bias` is on meta"):
-        fused_lora_linear_small_m(x, weight, bias.to("meta"), a, b, 1.0)
-    with pytest.raises(TypeError, match="Packed4bit or Int8Rowwise"):
-        fused_lora_linear_small_m(x, torch.zeros(N, K, device=DEVICE), None, None, None, 1.0)
 
 
 # ----------------------------------------------------------------------------------------------------- GPU only
@@ -285,8 +247,8 @@ REAL_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (out_features, in_
 def test_gpu_real_shapes(shape, kind, m, dtype, atol, rtol):
     n, k = shape
     weight = make_weight(kind, n, k)
-    x, bias, a, b, lx = make_inputs((1, m), n, k, dtype, r=16)
-    y = fused_lora_linear_small_m(x, weight, bias, a, b, 2.0, lx)
+    x, bias, a, b, lx = inputs((1, m), n, k, dtype, r=16)
+    y = small_m_linear(x, weight, bias, a, b, 2.0, lx)
     check(y, x, weight, bias, a, b, 2.0, lx, atol, rtol)
 
 
@@ -295,22 +257,22 @@ def test_gpu_real_shapes(shape, kind, m, dtype, atol, rtol):
 def test_gpu_cuda_graph_capture_and_replay(m):
     n, k = 4096, 4096
     weight = make_weight("nf4-64-nested", n, k)
-    x, bias, a, b, _ = make_inputs((m,), n, k, torch.bfloat16, r=16)
+    x, bias, a, b, _ = inputs((m,), n, k, torch.bfloat16, r=16)
     static_x = x.clone()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm up (compiles) outside the capture
-        fused_lora_linear_small_m(static_x, weight, bias, a, b, 2.0)
+        small_m_linear(static_x, weight, bias, a, b, 2.0, None)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_y = fused_lora_linear_small_m(static_x, weight, bias, a, b, 2.0)
+        static_y = small_m_linear(static_x, weight, bias, a, b, 2.0, None)
     for _ in range(3):
         new_x = torch.randn_like(x)
         static_x.copy_(new_x)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(static_y, fused_lora_linear_small_m(new_x, weight, bias, a, b, 2.0))
+        assert torch.equal(static_y, small_m_linear(new_x, weight, bias, a, b, 2.0, None))
         check(static_y, new_x, weight, bias, a, b, 2.0, None, *TOLERANCES[2][1:])
 
 
@@ -321,18 +283,18 @@ def test_gpu_split_k_is_deterministic(config):
     n, k = 4096, 14336
     weight = make_weight("nf4-64-nested", n, k)
     m = 1 if not config.use_dot else 16
-    x, bias, a, b, _ = make_inputs((m,), n, k, torch.bfloat16, r=16)
-    first = _launch(x, weight, bias, x, a, b, 2.0, config)
+    x, bias, a, b, _ = inputs((m,), n, k, torch.bfloat16, r=16)
+    first = small_m_linear_tiled(x, weight, bias, x, a, b, 2.0, config)
     check(first, x, weight, bias, a, b, 2.0, None, *TOLERANCES[2][1:], factored_scales=factored(weight, config))
     for _ in range(50):
-        assert torch.equal(_launch(x, weight, bias, x, a, b, 2.0, config), first)
+        assert torch.equal(small_m_linear_tiled(x, weight, bias, x, a, b, 2.0, config), first)
 
 
 def test_check_still_fails_on_a_real_error():
     """The cancellation-aware bound must not hide an error of a few ulps of the result."""
     weight = make_weight("nf4-64-nested", N, K)
-    x, bias, a, b, lx = make_inputs((3,), N, K, torch.bfloat16)
-    y = fused_lora_linear_small_m(x, weight, bias, a, b, 0.5, lx)
+    x, bias, a, b, lx = inputs((3,), N, K, torch.bfloat16)
+    y = small_m_linear(x, weight, bias, a, b, 0.5, lx)
     check(y, x, weight, bias, a, b, 0.5, lx, *TOLERANCES[2][1:])
     bad = y.clone()
     bad[1, 7] += 0.125 + 0.125 * bad[1, 7].abs()  # ~16 ulp of an O(1) bf16 value

@@ -1,0 +1,25 @@
+"""Everything in ops/ that imports Triton lives in this package; importing the package itself does not.
+
+- ``launch.py``: the low-overhead launch helper and grid utilities;
+- ``jit.py``: ``@triton.jit`` helpers shared by the kernels (format decoding, rounding);
+- ``dequant.py``: the dequant kernels and their launchers;
+- ``small_m_kernel.py`` / ``small_m.py``: the fused small-M (decode) kernel and its launcher;
+- ``tuning.py``: the small-M tuning table (no Triton).
+
+The rest of ops/ reaches the kernels only through [`load`], so that ``import peft_fastlora`` works where Triton is
+absent (CPU-only installs use the pure-torch reference).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from types import ModuleType
+
+
+@functools.cache
+def load() -> ModuleType:
+    """Imports the kernels on first use and returns this package, with ``dequant`` and ``small_m`` loaded."""
+    from . import dequant, small_m  # noqa: F401
+
+    return sys.modules[__name__]

@@ -1,0 +1,192 @@
+"""Triton dequantization of bitsandbytes weights (4-bit NF4/FP4 and row-scaled int8), bit-exact with the reference.
+
+One launch per weight. The 4-bit kernel reads each packed byte once and writes its two values (high nibble first,
+interleaved so each thread's values are contiguous: one wide store), decoding the per-block scale - including a
+double-quantized one - in the same program. Math is fp32 with one final rounding, exactly like
+``reference.dequantize_4bit_ref`` and bitsandbytes' CUDA kernel:
+
+    W[i] = code[nibble(i)] * absmax[i // blocksize]
+    absmax[j] = nested_code[absmax_u8[j]] * nested_absmax[j // nested_blocksize] + offset   (double quantization)
+
+The kernels are compiled with ``enable_fp_fusion=False`` so the multiply-then-add of the nested scale is never
+contracted into an FMA (that would change the last bit).
+
+The launchers take arguments that ``peft_fastlora.ops.dispatch`` has checked; their launch arguments are memoized
+on the weight container (``quant_state.memo``) per output dtype.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant_state import Int8Rowwise, Packed4bit, QuantizedWeight, memo
+from .jit import INV_127, decode_nibbles, load_absmax, round_to
+from .launch import cdiv, is_interpreted, launch, next_power_of_2, require_launchable
+
+# 4-bit tiling (``benchmarks/gpu_kernel_smoke.py --sweep``, H200, bf16 out): 16 packed bytes per thread x 4 warps
+# reach 70% (4096x4096) and 87% (14336x4096) of a device-to-device copy. fp32 outputs take half the bytes per thread
+# (same registers).
+NUM_WARPS_4BIT = 4
+BYTES_PER_THREAD = 16  # for 2-byte outputs
+INTERPRETER_BLOCK_BYTES = 8192  # the interpreter is fastest with few, large programs
+# int8: elements per program, and warps.
+INT8_BLOCK = 4096
+NUM_WARPS_INT8 = 8
+
+
+@triton.jit
+def _dequant_4bit_kernel(
+    data_ptr,  # uint8 (n_bytes,): two codes per byte, high nibble = even element
+    absmax_ptr,  # fp32 (n_blocks,), or uint8 codes when NESTED
+    code_ptr,  # fp32 (16,)
+    nested_code_ptr,  # fp32 (256,)            (NESTED only)
+    nested_absmax_ptr,  # fp32 (n_blocks / NESTED_BLOCKSIZE,)  (NESTED only)
+    offset_ptr,  # fp32 ()                   (NESTED only)
+    out_ptr,  # (n_elements,) in the output dtype
+    n_elements,
+    n_bytes,
+    HALF_BLOCK: tl.constexpr,  # bytes per absmax block = blocksize // 2
+    NESTED: tl.constexpr,
+    NESTED_BLOCKSIZE: tl.constexpr,
+    ROWS: tl.constexpr,  # the program's bytes seen as a (ROWS, COLS) tile where each row lies inside one
+    COLS: tl.constexpr,  # absmax block, so one scale is loaded per row instead of per byte
+    INTERPRET: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    first_byte = pid * (ROWS * COLS)
+    row_start = first_byte + tl.arange(0, ROWS) * COLS  # (ROWS,)
+    offs_b = row_start[:, None] + tl.arange(0, COLS)[None, :]  # (ROWS, COLS)
+    packed = tl.load(data_ptr + offs_b, mask=offs_b < n_bytes, other=0)
+    scale = load_absmax(absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, row_start // HALF_BLOCK,
+                        row_start < n_bytes, NESTED, NESTED_BLOCKSIZE)[:, None]  # fmt: skip
+    out_ty = out_ptr.dtype.element_ty
+    high, low = decode_nibbles(packed, code_ptr)
+    values = tl.interleave(round_to(high * scale, out_ty, INTERPRET), round_to(low * scale, out_ty, INTERPRET))
+    offs_o = 2 * row_start[:, None] + tl.arange(0, 2 * COLS)[None, :]
+    tl.store(out_ptr + offs_o, values, mask=offs_o < n_elements)
+
+
+@triton.jit
+def _dequant_int8_kernel(
+    cb_ptr,  # int8 (N, K), row-major
+    scb_ptr,  # fp32 (N,)
+    out_ptr,  # (N, K)
+    N,
+    K,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    offs = offs_n[:, None] * K + offs_k[None, :]
+    cb = tl.load(cb_ptr + offs, mask=mask, other=0).to(tl.float32)
+    scb = tl.load(scb_ptr + offs_n, mask=offs_n < N, other=0.0)
+    # (cb * scb) * (1/127) in this order, like the reference and bitsandbytes.
+    values = cb * scb[:, None] * INV_127
+    tl.store(out_ptr + offs, round_to(values, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+
+def packed_bytes(weight: Packed4bit) -> torch.Tensor:
+    """The packed codes as a flat uint8 view (no copy); ``weight.data`` is contiguous (checked at the door)."""
+    return weight.data.reshape(-1).view(torch.uint8)
+
+
+def nested_args(weight: Packed4bit) -> tuple:
+    """(nested_code, nested_absmax, offset, nested_blocksize); unused dummies (``absmax``) when not nested."""
+    if weight.nested:
+        return weight.nested_code, weight.nested_absmax, weight.offset, weight.nested_blocksize
+    return weight.absmax, weight.absmax, weight.absmax, 1
+
+
+class DequantArgs(NamedTuple):
+    """One dequant launch, all but its output: kernel arguments before and after ``out_ptr``, grid and options."""
+
+    kernel: object
+    device: torch.device
+    grid: tuple
+    before_out: tuple
+    after_out: tuple
+    options: dict
+
+
+def _args_4bit(weight: Packed4bit, dtype: torch.dtype, block_bytes: Optional[int], num_warps: int) -> DequantArgs:
+    data = packed_bytes(weight)
+    require_launchable(_dequant_4bit_kernel, data.device)
+    interpret = is_interpreted(_dequant_4bit_kernel)
+    if block_bytes is None:
+        bytes_per_thread = BYTES_PER_THREAD * 2 // torch.empty((), dtype=dtype).element_size()
+        block_bytes = INTERPRETER_BLOCK_BYTES if interpret else bytes_per_thread * 32 * num_warps
+    n = weight.numel
+    n_bytes = (n + 1) // 2
+    half_block = weight.blocksize // 2
+    cols = min(half_block, block_bytes)  # powers of two, so cols divides block_bytes and half_block
+    nested_code, nested_absmax, offset, nested_blocksize = nested_args(weight)
+    before = (data, weight.absmax, weight.code, nested_code, nested_absmax, offset)
+    after = (n, n_bytes, half_block, weight.nested, nested_blocksize, block_bytes // cols, cols, interpret)
+    options = dict(num_warps=num_warps, enable_fp_fusion=False)
+    return DequantArgs(_dequant_4bit_kernel, data.device, (cdiv(n_bytes, block_bytes),), before, after, options)
+
+
+def _args_int8(weight: Int8Rowwise, dtype: torch.dtype) -> DequantArgs:
+    require_launchable(_dequant_int8_kernel, weight.device)
+    n_rows, n_cols = weight.shape
+    block_k = min(next_power_of_2(max(n_cols, 1)), INT8_BLOCK)
+    block_n = INT8_BLOCK // block_k
+    grid = (cdiv(n_rows, block_n), cdiv(n_cols, block_k))
+    after = (n_rows, n_cols, block_n, block_k, is_interpreted(_dequant_int8_kernel))
+    options = dict(num_warps=NUM_WARPS_INT8, enable_fp_fusion=False)
+    return DequantArgs(_dequant_int8_kernel, weight.device, grid, (weight.cb, weight.scb), after, options)
+
+
+def _run(args: DequantArgs, shape: tuple, dtype: torch.dtype, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """Allocates the output (unless given) and launches into it; an empty weight launches nothing."""
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=args.device)
+    if out.numel():
+        launch(args.kernel, args.grid, args.before_out + (out,) + args.after_out, args.device, **args.options)
+    return out
+
+
+def dequantize_4bit(
+    weight: Packed4bit,
+    dtype: torch.dtype,
+    out: Optional[torch.Tensor] = None,
+    *,
+    block_bytes: Optional[int] = None,
+    num_warps: int = NUM_WARPS_4BIT,
+) -> torch.Tensor:
+    """Dequantizes a checked 4-bit NF4/FP4 weight in one Triton launch, bit-exact with [`dequantize_4bit_ref`].
+
+    Args:
+        weight ([`Packed4bit`]): The packed weight (any storage dtype, any blocksize, optionally double-quantized).
+        dtype (`torch.dtype`): Output dtype: ``torch.float16``, ``torch.bfloat16`` or ``torch.float32``.
+        out (`torch.Tensor`, *optional*): Contiguous ``weight.shape`` tensor of ``dtype`` on the weight's device.
+        block_bytes, num_warps: An explicit tiling (tests and benchmarks); by default the memoized one.
+
+    Returns:
+        `torch.Tensor`: The ``(out_features, in_features)`` weight in ``dtype`` (``out`` when given).
+    """
+    if block_bytes is None and num_warps == NUM_WARPS_4BIT:
+        args = memo(weight, ("dequant", dtype), lambda: _args_4bit(weight, dtype, None, num_warps))
+    else:
+        args = _args_4bit(weight, dtype, block_bytes, num_warps)
+    return _run(args, weight.shape, dtype, out)
+
+
+def dequantize_int8(weight: Int8Rowwise, dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Dequantizes a checked row-scaled int8 weight (``cb * scb[:, None] / 127``), bit-exact with the reference."""
+    args = memo(weight, ("dequant", dtype), lambda: _args_int8(weight, dtype))
+    return _run(args, weight.shape, dtype, out)
+
+
+def dequantize_triton(weight: QuantizedWeight, dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Dequantizes either kind of checked weight to ``dtype`` (see [`dequantize_4bit`], [`dequantize_int8`])."""
+    if isinstance(weight, Int8Rowwise):
+        return dequantize_int8(weight, dtype, out)
+    return dequantize_4bit(weight, dtype, out)

@@ -1,0 +1,282 @@
+"""Launcher of the fused small-M kernel (``small_m_kernel.py``): tiling, workspaces, arguments, launch.
+
+[`small_m_linear`] takes arguments that ``peft_fastlora.ops.dispatch`` has checked, views them as 2-D rows, picks
+the tiling ([`pick_config`]: the tuning table for this GPU and shape, else [`heuristic_config`]), allocates the
+output and the kernel's workspaces and launches once. [`small_m_linear_tiled`] runs an explicit tiling (tests,
+``benchmarks/tune_small_m.py``).
+
+Caching (all keyed by everything they read): ``pick_config`` by (rows, shape, device, kind); ``small_m_grid`` by
+(rows, shape, tiling, rank), pure arithmetic; ``small_m_limit`` by (device, kind, shape); the weight's pointer
+arguments on the container (``quant_state.memo``) by ``block_k``; the SM count by device index.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..quant_state import Int8Rowwise, QuantizedWeight, memo
+from .dequant import nested_args, packed_bytes
+from .launch import cdiv, is_interpreted, launch, next_power_of_2, require_launchable
+from .small_m_kernel import WEIGHT_4BIT_ALIGNED, WEIGHT_4BIT_ANY, WEIGHT_INT8, _fused_small_m_kernel
+from .tuning import SmallMConfig, tuned_config, tuned_crossover
+
+# Rows up to which the dispatcher uses this kernel for a shape the tuning table does not list.
+SMALL_M_MAX = 16
+
+# xa = x_lora @ A.T is cut into at most this many K chunks, each made by one program (see small_m_kernel.py).
+XA_MAX_CHUNKS = 16
+# Counter polls (one L2 atomic each) before an epilogue makes the xa chunks itself. The producers are the first
+# programs dispatched, so on a GPU the count is normally complete at the first poll; the bound only guarantees
+# progress whatever the scheduler does.
+XA_POLLS = 1 << 14
+# Each M tile's chunk counter is kept in this many copies, one 128-byte line apart: the epilogues of different
+# N tiles poll different copies instead of all one address.
+XA_COPIES, XA_COPY_STRIDE = 8, 32
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def weight_kind(weight: QuantizedWeight) -> str:
+    """``"int8"`` or ``"nf4"`` (every 4-bit weight): the key of the tuning table."""
+    return "int8" if isinstance(weight, Int8Rowwise) else "nf4"
+
+
+def small_m_limit(weight: QuantizedWeight, device: torch.device) -> int:
+    """Most rows for which the dispatcher picks this kernel: the tabled crossover, else ``SMALL_M_MAX``."""
+    n, k = weight.shape
+    return _small_m_limit(device, weight_kind(weight), n, k)
+
+
+# A constant for torch.compile: dynamo cannot trace the table lookup (torch.cuda.get_device_name returns a str), so
+# it calls this at trace time. (dynamo does not honour the mark on an lru_cache wrapper, hence two functions.)
+@torch.compiler.assume_constant_result
+def _small_m_limit(device: torch.device, kind: str, n: int, k: int) -> int:
+    return _tabled_small_m_limit(device, kind, n, k)
+
+
+@functools.lru_cache(maxsize=1024)
+def _tabled_small_m_limit(device: torch.device, kind: str, n: int, k: int) -> int:
+    crossover = tuned_crossover(device, kind, n, k)
+    return SMALL_M_MAX if crossover is None else crossover
+
+
+@functools.lru_cache(maxsize=4096)
+def pick_config(m: int, n: int, k: int, device: torch.device, kind: str = "nf4") -> SmallMConfig:
+    """The tiling for ``m`` rows of an ``(n, k)`` weight: the tuning table's when tabled, else the heuristic's."""
+    return tuned_config(device, kind, m, n, k) or heuristic_config(m, n, k, device)
+
+
+def heuristic_config(m: int, n: int, k: int, device: torch.device) -> SmallMConfig:
+    """Default tiling: FMAs for one row, tensor cores otherwise; K is split until there are ~6 programs per SM.
+
+    The tiles keep registers below ~100 per thread so that several programs share an SM: with the prefetch, the
+    bytes in flight (what bounds a weight-streaming kernel) grow with the number of resident programs.
+    """
+    if m == 1:
+        block_m, block_n, block_k = 1, 8, 512
+    else:
+        block_m, block_n, block_k = 16, 32, 128
+    block_k = min(block_k, max(16, next_power_of_2(k)))
+    if device.type != "cuda":  # the interpreter: fewest programs is fastest
+        return SmallMConfig(use_dot=m > 1, block_n=min(block_n, max(16, next_power_of_2(n))), block_k=block_k)
+    tiles = cdiv(n, block_n) * cdiv(m, block_m)
+    k_tiles = cdiv(k, block_k)
+    split_k = max(1, min(cdiv(6 * _sm_count(device.index or 0), tiles), k_tiles, 16))
+    return SmallMConfig(use_dot=m > 1, block_n=block_n, block_k=block_k, split_k=split_k)
+
+
+def xa_chunking(k: int, programs_per_m_tile: int) -> tuple[int, int, int]:
+    """(XA_BLOCK_K, chunk, n_chunks) of ``xa = x_lora @ A.T``: at most ``XA_MAX_CHUNKS`` chunks and no more than the
+    programs that make them; ``chunk`` is a multiple of ``XA_BLOCK_K``."""
+    xa_block_k = min(128, max(16, next_power_of_2(k)))
+    wanted = min(XA_MAX_CHUNKS, programs_per_m_tile)
+    chunk = max(xa_block_k, next_power_of_2(cdiv(k, wanted)))
+    return xa_block_k, chunk, cdiv(k, chunk)
+
+
+@dataclass(frozen=True)
+class SmallMGrid:
+    """Grid, K split, xa chunking and workspace sizes of a launch: what depends on sizes and tiling only."""
+
+    grid: tuple[int, int, int]
+    k_per_split: int
+    split_k: int
+    block_m: int
+    block_r: int
+    xa_block_k: int
+    xa_chunk: int
+    n_chunks: int
+    n_partials: int  # fp32 split-K partials (0: no split)
+    n_xa_parts: int  # fp32 xa chunk partials (0: no LoRA term)
+    n_arrivals: int  # int32 zeros: split-K arrivals, then the xa chunk counters
+    n_xa_counts: int
+
+
+@functools.lru_cache(maxsize=4096)
+def small_m_grid(m: int, n: int, k: int, config: SmallMConfig, r: Optional[int]) -> SmallMGrid:
+    """``r``: the LoRA rank, or None for no LoRA term."""
+    has_lora = r is not None
+    block_m = 16 if config.use_dot else 1
+    block_n, block_k = config.block_n, config.block_k
+    k_per_split = cdiv(cdiv(k, block_k), config.split_k) * block_k
+    split_k = cdiv(k, k_per_split)  # no empty splits
+    grid = (cdiv(n, block_n), split_k, cdiv(m, block_m))
+    block_r = max(16, next_power_of_2(r or 0))
+    xa_block_k, xa_chunk, n_chunks = xa_chunking(k, grid[0] * grid[1]) if has_lora else (16, k, 0)
+    return SmallMGrid(
+        grid=grid,
+        k_per_split=k_per_split,
+        split_k=split_k,
+        block_m=block_m,
+        block_r=block_r,
+        xa_block_k=xa_block_k,
+        xa_chunk=xa_chunk,
+        n_chunks=n_chunks,
+        n_partials=split_k * m * n if split_k > 1 else 0,
+        n_xa_parts=grid[2] * XA_MAX_CHUNKS * block_r * block_m if has_lora else 0,
+        n_arrivals=grid[0] * grid[2] if split_k > 1 else 0,
+        n_xa_counts=grid[2] * XA_COPIES * XA_COPY_STRIDE if has_lora else 0,
+    )
+
+
+def _weight_args(weight: QuantizedWeight, block_k: int) -> tuple[tuple, tuple]:
+    """(w_ptr .. offset_ptr, stride_wn) and (WEIGHT_KIND, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB) of ``weight``."""
+    if isinstance(weight, Int8Rowwise):
+        scb = weight.scb
+        return (weight.cb, scb, scb, scb, scb, scb, weight.cb.stride(0)), (WEIGHT_INT8.value, 1, False, 1, block_k)
+    k, bs = weight.shape[1], weight.blocksize
+    kind = WEIGHT_4BIT_ALIGNED if k % bs == 0 else WEIGHT_4BIT_ANY
+    nested_code, nested_absmax, offset, nested_bs = nested_args(weight)
+    pointers = (packed_bytes(weight), weight.absmax, weight.code, nested_code, nested_absmax, offset, k // 2)
+    return pointers, (kind.value, bs, weight.nested, nested_bs, min(bs, block_k))
+
+
+def _kernel_args(
+    x_ptr, w_ptr, absmax_ptr, code_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, bias_ptr, lx_ptr, lora_a_ptr,
+    lora_b_ptr, out_ptr, partial_ptr, arrivals_ptr, xa_part_ptr, xa_count_ptr, M, N, K, R, scaling, stride_xm,
+    stride_wn, stride_lxm, stride_an, stride_bn, stride_om, k_per_split, n_chunks, xa_chunk, WEIGHT_KIND, BLOCKSIZE,
+    NESTED, NESTED_BLOCKSIZE, SUB, HAS_BIAS, HAS_LORA, USE_DOT, DOT_FP32, LORA_DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+    BLOCK_R, SPLIT_K, XA_BLOCK_K, XA_MAX_CHUNKS, XA_COPIES, XA_COPY_STRIDE, XA_POLLS, INTERPRET, FACTOR_SCALES, MUL_RN,
+):  # fmt: skip
+    """The kernel's arguments in its parameter order; called with keywords, so each value is bound by name."""
+    return tuple(locals().values())
+
+
+# The helper's parameters are the kernel's, in order (checked once, here, rather than by Triton at launch).
+assert list(inspect.signature(_kernel_args).parameters) == list(inspect.signature(_fused_small_m_kernel.fn).parameters)
+
+
+def small_m_linear_tiled(
+    x2d: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: Optional[torch.Tensor],
+    lora_x2d: Optional[torch.Tensor],
+    lora_a: Optional[torch.Tensor],
+    lora_b: Optional[torch.Tensor],
+    scaling: float,
+    config: SmallMConfig,
+) -> torch.Tensor:
+    """Runs the kernel on (M, K) rows with an explicit tiling; returns (M, N) in ``x2d.dtype``.
+
+    ``x2d`` and ``lora_x2d`` (the LoRA branch's rows, ``x2d`` itself when there is no separate one) have unit stride
+    along K; ``bias``, ``lora_a`` and ``lora_b`` are contiguous, and ``lora_a``/``lora_b`` both given or both ``None``.
+    """
+    m, k = x2d.shape
+    n = weight.shape[0]
+    device = x2d.device
+    out = torch.empty((m, n), dtype=x2d.dtype, device=device)
+    if m == 0:
+        return out
+    has_lora = lora_a is not None
+    r = lora_a.shape[0] if has_lora else 0
+    plan = small_m_grid(m, n, k, config, r if has_lora else None)
+    # One zeroed int32 buffer (one memset) holds the split-K arrival counters and the xa chunk counters; the fp32
+    # partials have separate buffers (unused pointers point at `out`).
+    n_counters = plan.n_arrivals + plan.n_xa_counts
+    counters = torch.zeros(n_counters, dtype=torch.int32, device=device) if n_counters else out
+    w_args, w_meta = memo(weight, ("small_m", config.block_k), lambda: _weight_args(weight, config.block_k))
+    interpret = is_interpreted(_fused_small_m_kernel)
+    require_launchable(_fused_small_m_kernel, device)
+    args = _kernel_args(
+        x_ptr=x2d,
+        w_ptr=w_args[0], absmax_ptr=w_args[1], code_ptr=w_args[2], nested_code_ptr=w_args[3],
+        nested_absmax_ptr=w_args[4], offset_ptr=w_args[5],
+        bias_ptr=bias if bias is not None else out,
+        lx_ptr=lora_x2d if has_lora else out,
+        lora_a_ptr=lora_a if has_lora else out,
+        lora_b_ptr=lora_b if has_lora else out,
+        out_ptr=out,
+        partial_ptr=torch.empty(plan.n_partials, dtype=torch.float32, device=device) if plan.n_partials else out,
+        arrivals_ptr=counters[: plan.n_arrivals] if plan.n_arrivals else out,
+        xa_part_ptr=torch.empty(plan.n_xa_parts, dtype=torch.float32, device=device) if plan.n_xa_parts else out,
+        xa_count_ptr=(counters[plan.n_arrivals :] if plan.n_arrivals else counters) if plan.n_xa_counts else out,
+        M=m, N=n, K=k, R=r, scaling=float(scaling),
+        stride_xm=x2d.stride(0),
+        stride_wn=w_args[6],
+        stride_lxm=lora_x2d.stride(0) if has_lora else 0,
+        stride_an=lora_a.stride(0) if has_lora else 0,
+        stride_bn=lora_b.stride(0) if has_lora else 0,
+        stride_om=out.stride(0),
+        k_per_split=plan.k_per_split, n_chunks=plan.n_chunks, xa_chunk=plan.xa_chunk,
+        WEIGHT_KIND=w_meta[0], BLOCKSIZE=w_meta[1], NESTED=w_meta[2], NESTED_BLOCKSIZE=w_meta[3], SUB=w_meta[4],
+        HAS_BIAS=bias is not None,
+        HAS_LORA=has_lora,
+        USE_DOT=config.use_dot,
+        DOT_FP32=interpret or x2d.dtype == torch.float32,  # the interpreter's bf16 dot is not exact
+        LORA_DOT_FP32=interpret or (has_lora and lora_a.dtype == torch.float32),
+        BLOCK_M=plan.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_R=plan.block_r,
+        SPLIT_K=plan.split_k, XA_BLOCK_K=plan.xa_block_k,
+        XA_MAX_CHUNKS=XA_MAX_CHUNKS, XA_COPIES=XA_COPIES, XA_COPY_STRIDE=XA_COPY_STRIDE,
+        XA_POLLS=0 if interpret else XA_POLLS,  # the interpreter runs programs one by one: a count stays incomplete
+        INTERPRET=interpret,
+        FACTOR_SCALES=config.factor_scales and not config.use_dot and w_meta[0] == WEIGHT_4BIT_ALIGNED.value,
+        MUL_RN=not interpret,
+    )  # fmt: skip
+    # fp fusion stays on (FMAs in the dot products): the only sums that must not fuse, in the nested-absmax decode,
+    # use mul.rn (MUL_RN). The interpreter computes exactly as written.
+    launch(_fused_small_m_kernel, plan.grid, args, device, num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+def _unit_stride_rows(t: torch.Tensor, k: int) -> torch.Tensor:
+    """``t`` as (rows, k) with unit stride along k (a view when it already is)."""
+    rows = t.reshape(-1, k)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+def small_m_linear(
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: Optional[torch.Tensor],
+    lora_a: Optional[torch.Tensor],
+    lora_b: Optional[torch.Tensor],
+    scaling: float,
+    lora_x: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """``y = x @ dequant(W).T (+ bias) + scaling * (lora_x @ A.T) @ B.T`` for few rows, in ``x.dtype``.
+
+    Reads the quantized weight once and never materializes it; meant for ``x`` with at most about ``SMALL_M_MAX``
+    rows (any M is correct, but the weight is re-read for every 16 rows). Arguments are those of
+    [`~peft_fastlora.ops.fastlora_linear`], checked there; ``lora_x=None`` means the LoRA branch reads ``x``.
+    """
+    n, k = weight.shape
+    x2d = _unit_stride_rows(x, k)
+    lx2d = None
+    if lora_a is not None:
+        lx2d = x2d if lora_x is None else _unit_stride_rows(lora_x, k)
+    config = pick_config(x2d.shape[0], n, k, x.device, weight_kind(weight))
+    out = small_m_linear_tiled(x2d, weight, _contiguous(bias), lx2d, _contiguous(lora_a), _contiguous(lora_b),
+                               scaling, config)  # fmt: skip
+    return out.reshape(*x.shape[:-1], n)

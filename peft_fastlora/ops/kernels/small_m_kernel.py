@@ -1,0 +1,537 @@
+"""The fused small-M kernel: quantized linear + LoRA for a handful of rows (decoding), in one launch.
+
+``y = x @ W.T + b + s * (x_lora @ A.T) @ B.T``. For M <= ~16 rows the cost is reading W, so the kernel streams the
+packed 4-bit (or int8) weight once, dequantizes it in registers and never writes it back. Each program owns
+``BLOCK_N`` output features of ``BLOCK_M`` rows and a ``K / SPLIT_K`` slice of the reduction:
+
+    M == 1  CUDA cores: acc[n] += sum_k W_tile[n, k] * x[k] in fp32 (tensor cores would idle 15/16 of the MMA).
+    M > 1   tensor cores on the swapped product: acc (BLOCK_N, BLOCK_M) += W_tile (BLOCK_N, BLOCK_K) @ x_tile.T,
+            so the tiny M only has to fill the 16-wide side of the MMA.
+
+The reads of the next tile (codes, scales, x) are issued before the current one is decoded (software prefetch), so
+each program keeps two tiles of DRAM reads in flight without spending registers on decoded values.
+
+With ``SPLIT_K > 1`` every program stores its fp32 partial sums in a workspace and bumps a per-tile counter; the
+program that arrives last adds the partials in split order (deterministic) and runs the epilogue: bias, the LoRA
+term ``(x_lora @ A.T) @ B.T`` and the cast to ``x.dtype``. No host syncs and data-independent allocations, so it can
+be captured in a CUDA graph.
+
+The LoRA down-projection ``xa = x_lora @ A.T`` (M x r, a few thousand MACs) is made inside the same launch, because
+a separate matmul would cost a launch of its own on every decode call. K is cut into at most ``XA_MAX_CHUNKS``
+chunks; the first programs of the grid (the first dispatched) each compute one chunk's fp32 partial of ``xa`` before
+their own tile, store it and count it (release). An epilogue waits for the count (acquire) and sums the partials in
+one fixed order (deterministic). Correctness never depends on the scheduler: an epilogue that does not see the full
+count within ``XA_POLLS`` polls (zero under the interpreter, which runs programs one after another) makes the chunks
+itself with the same code, so the sum is the same bits either way.
+
+Numerics follow ``reference.lora_linear_ref``: W is dequantized exactly as the dequant kernel does and rounded to
+``x.dtype`` before the multiply; sums are fp32 (in a different order than torch, hence the test tolerances). One
+exception, ``FACTOR_SCALES`` (M = 1, 4-bit rows of whole absmax blocks, the default there): each block's
+``code * x`` products are summed first and scaled once, so W is never rounded to ``x.dtype`` (more accurate than the
+reference; the tests bound it against the fp32 W).
+
+The launcher, ``small_m.py``, chooses the tiling and builds the argument list.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .jit import INV_127, decode_absmax, decode_nibbles, round_to
+
+# How the kernel reads W (``WEIGHT_KIND``). ALIGNED: 4-bit with rows made of whole absmax blocks (K % blocksize == 0,
+# every real model), loaded as (BLOCK_N, sub-blocks, bytes) so one scale serves a run of bytes. ANY: 4-bit of any
+# shape, one gather per element. INT8: row-scaled int8.
+WEIGHT_4BIT_ALIGNED: tl.constexpr = tl.constexpr(0)
+WEIGHT_4BIT_ANY: tl.constexpr = tl.constexpr(1)
+WEIGHT_INT8: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit
+def _load_weight_raw(
+    w_ptr,
+    absmax_ptr,  # 4-bit: fp32 scales or uint8 codes (NESTED); int8: fp32 row scales (scb)
+    offs_n,  # (BLOCK_N,) output features
+    k0,  # first input feature of the tile
+    k_end,  # end of this program's K range: reads stop there, so a prefetch past it costs nothing
+    N,
+    K,
+    stride_wn,  # bytes (4-bit) or elements (int8) per weight row
+    WEIGHT_KIND: tl.constexpr,
+    BLOCKSIZE: tl.constexpr,
+    SUB: tl.constexpr,  # ALIGNED: elements per sub-block = min(BLOCKSIZE, BLOCK_K), all under one scale
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The DRAM reads of the tile W[offs_n, k0 : k0 + BLOCK_K]: (stored codes, stored scales), not yet decoded."""
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    if WEIGHT_KIND == WEIGHT_4BIT_ALIGNED:
+        sub_start = k0 + tl.arange(0, BLOCK_K // SUB) * SUB  # (NB,) first element of each sub-block
+        byte_in_row = (sub_start // 2)[:, None] + tl.arange(0, SUB // 2)[None, :]  # (NB, SUB/2)
+        mask = mask_n[:, None, None] & (byte_in_row < k_end // 2)[None, :, :]
+        packed = tl.load(w_ptr + rows[:, None, None] * stride_wn + byte_in_row[None, :, :], mask=mask, other=0)
+        block_idx = rows[:, None] * (K // BLOCKSIZE) + (sub_start // BLOCKSIZE)[None, :]  # (BLOCK_N, NB)
+        raw_scale = tl.load(absmax_ptr + block_idx, mask=mask_n[:, None] & (sub_start < k_end)[None, :], other=0)
+    elif WEIGHT_KIND == WEIGHT_4BIT_ANY:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = mask_n[:, None] & (offs_k < k_end)[None, :]
+        idx = rows[:, None] * K + offs_k[None, :]  # element index in the flattened weight
+        packed = tl.load(w_ptr + idx // 2, mask=mask, other=0)
+        raw_scale = tl.load(absmax_ptr + idx // BLOCKSIZE, mask=mask, other=0)
+    else:  # WEIGHT_INT8
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = mask_n[:, None] & (offs_k < k_end)[None, :]
+        packed = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0)
+        raw_scale = tl.load(absmax_ptr + offs_n, mask=mask_n, other=0.0)
+    return packed, raw_scale
+
+
+@triton.jit
+def _decode_weight_tile(
+    packed,
+    raw_scale,
+    code_ptr,
+    nested_code_ptr,
+    nested_absmax_ptr,
+    offset_ptr,
+    offs_n,
+    k0,
+    k_end,
+    N,
+    K,
+    WEIGHT_KIND: tl.constexpr,
+    BLOCKSIZE: tl.constexpr,
+    NESTED: tl.constexpr,
+    NESTED_BLOCKSIZE: tl.constexpr,
+    SUB: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DTYPE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    MUL_RN: tl.constexpr,
+):
+    """The (BLOCK_N, BLOCK_K) tile from ``_load_weight_raw``, dequantized exactly and rounded to ``DTYPE``."""
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    if WEIGHT_KIND == WEIGHT_4BIT_ALIGNED:
+        sub_start = k0 + tl.arange(0, BLOCK_K // SUB) * SUB
+        block_idx = rows[:, None] * (K // BLOCKSIZE) + (sub_start // BLOCKSIZE)[None, :]
+        scale_mask = mask_n[:, None] & (sub_start < k_end)[None, :]
+        scale = decode_absmax(
+            raw_scale, block_idx, scale_mask, nested_code_ptr, nested_absmax_ptr, offset_ptr, NESTED, NESTED_BLOCKSIZE,
+            MUL_RN,
+        )[:, :, None]
+        high, low = decode_nibbles(packed, code_ptr)
+        w = tl.interleave(round_to(high * scale, DTYPE, INTERPRET), round_to(low * scale, DTYPE, INTERPRET))
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K))  # (BLOCK_N, NB, SUB) -> (BLOCK_N, BLOCK_K)
+    elif WEIGHT_KIND == WEIGHT_4BIT_ANY:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = mask_n[:, None] & (offs_k < k_end)[None, :]
+        idx = rows[:, None] * K + offs_k[None, :]
+        shift = (4 - (idx % 2) * 4).to(tl.int32)  # even element: high nibble
+        value = tl.load(code_ptr + ((packed.to(tl.int32) >> shift) & 0xF))
+        scale = decode_absmax(
+            raw_scale, idx // BLOCKSIZE, mask, nested_code_ptr, nested_absmax_ptr, offset_ptr, NESTED, NESTED_BLOCKSIZE,
+            MUL_RN,
+        )
+        w = round_to(value * scale, DTYPE, INTERPRET)
+    else:  # WEIGHT_INT8
+        w = round_to(packed.to(tl.float32) * raw_scale[:, None] * INV_127, DTYPE, INTERPRET)
+    return w
+
+
+@triton.jit
+def _load_x_pairs(x_row_ptr, k0, k_end, SUB: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row's x[k0 : k0 + BLOCK_K] as (even, odd) elements of each sub-block: two (BLOCK_K / SUB, SUB / 2) tiles
+    laid out like the high / low nibbles of the packed bytes."""
+    sub_start = k0 + tl.arange(0, BLOCK_K // SUB) * SUB
+    even = sub_start[:, None] + 2 * tl.arange(0, SUB // 2)[None, :]
+    x_even = tl.load(x_row_ptr + even, mask=even < k_end, other=0.0)
+    x_odd = tl.load(x_row_ptr + even + 1, mask=even + 1 < k_end, other=0.0)
+    return x_even.to(tl.float32), x_odd.to(tl.float32)
+
+
+@triton.jit
+def _factored_row_dot(
+    packed,  # (BLOCK_N, NB, SUB / 2) uint8, from _load_weight_raw (ALIGNED)
+    raw_scale,  # (BLOCK_N, NB)
+    x_even,  # (NB, SUB / 2) fp32
+    x_odd,
+    code_ptr,
+    nested_code_ptr,
+    nested_absmax_ptr,
+    offset_ptr,
+    offs_n,
+    k0,
+    k_end,
+    N,
+    K,
+    BLOCKSIZE: tl.constexpr,
+    NESTED: tl.constexpr,
+    NESTED_BLOCKSIZE: tl.constexpr,
+    SUB: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MUL_RN: tl.constexpr,
+):
+    """(BLOCK_N,) fp32: sum_k W[n, k] * x[k] over the tile as sum_blocks scale[n, b] * sum_{k in b} code[n, k] * x[k].
+
+    One code lookup and one FMA per weight; the scale multiply happens once per sub-block of SUB weights.
+    """
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    sub_start = k0 + tl.arange(0, BLOCK_K // SUB) * SUB
+    block_idx = rows[:, None] * (K // BLOCKSIZE) + (sub_start // BLOCKSIZE)[None, :]
+    scale_mask = mask_n[:, None] & (sub_start < k_end)[None, :]
+    scale = decode_absmax(
+        raw_scale, block_idx, scale_mask, nested_code_ptr, nested_absmax_ptr, offset_ptr, NESTED, NESTED_BLOCKSIZE,
+        MUL_RN,
+    )  # (BLOCK_N, NB)
+    high, low = decode_nibbles(packed, code_ptr)  # codes of the even / odd elements, (BLOCK_N, NB, SUB / 2)
+    per_block = tl.sum(high * x_even[None, :, :] + low * x_odd[None, :, :], axis=2)  # (BLOCK_N, NB)
+    return tl.sum(per_block * scale, axis=1)
+
+
+@triton.jit
+def _load_x_tile(x_ptr, offs_m, k0, k_end, M, stride_xm, USE_DOT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[offs_m, k0 : k0 + BLOCK_K]: transposed (BLOCK_K, BLOCK_M) for the MMA, or the single row as (1, BLOCK_K)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    if USE_DOT:
+        ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]
+        tile = tl.load(ptrs, mask=(offs_k < k_end)[:, None] & (offs_m < M)[None, :], other=0.0)
+    else:  # BLOCK_M == 1; 2-D so it lands in the layout of the weight tile without a shuffle
+        tile = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=(offs_k < k_end)[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def _lora_down_chunk(
+    lx_ptr,  # (M, K) LoRA input rows, unit stride along K
+    lora_a_ptr,  # (R, K)
+    offs_m,
+    k_lo,
+    k_hi,
+    M,
+    R,
+    stride_lxm,
+    stride_an,
+    USE_DOT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    XA_BLOCK_K: tl.constexpr,
+):
+    """fp32 partial of xa = x_lora.to(A.dtype) @ A.T over x_lora[:, k_lo : k_hi]: (BLOCK_R, BLOCK_M) for the MMA
+    path (xa transposed, as the epilogue's dot takes it), (1, BLOCK_R) for M = 1."""
+    a_ty = lora_a_ptr.dtype.element_ty
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    if USE_DOT:
+        part = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
+    else:
+        part = tl.zeros((1, BLOCK_R), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, XA_BLOCK_K):
+        offs_k = k0 + tl.arange(0, XA_BLOCK_K)
+        mask_k = offs_k < k_hi
+        a = tl.load(lora_a_ptr + offs_r[:, None] * stride_an + offs_k[None, :], mask=mask_r[:, None] & mask_k[None, :],
+                    other=0.0)  # (BLOCK_R, XA_BLOCK_K)  # fmt: skip
+        if USE_DOT:
+            x_t = tl.load(lx_ptr + offs_m[None, :] * stride_lxm + offs_k[:, None],
+                          mask=mask_k[:, None] & (offs_m < M)[None, :], other=0.0)  # fmt: skip
+            x_t = x_t.to(a_ty)  # (XA_BLOCK_K, BLOCK_M), rounded to the adapter dtype like the reference
+            if DOT_FP32:
+                part = tl.dot(a.to(tl.float32), x_t.to(tl.float32), part, input_precision="ieee")
+            else:
+                part = tl.dot(a, x_t, part)
+        else:
+            x = tl.load(lx_ptr + offs_m[:, None] * stride_lxm + offs_k[None, :], mask=mask_k[None, :], other=0.0)
+            x = x.to(a_ty).to(tl.float32)  # (1, XA_BLOCK_K)
+            part += tl.sum(a.to(tl.float32) * x, axis=1)[None, :]
+    return part
+
+
+@triton.jit
+def _chunk_tile_offsets(USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Offsets of one chunk partial's elements inside its (BLOCK_R * BLOCK_M) slot of the workspace."""
+    if USE_DOT:
+        offs = tl.arange(0, BLOCK_R)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    else:
+        offs = tl.arange(0, BLOCK_R)[None, :]
+    return offs
+
+
+@triton.jit
+def _lora_down(
+    lx_ptr,
+    lora_a_ptr,
+    xa_part_ptr,  # (m tiles, XA_MAX_CHUNKS, BLOCK_R * BLOCK_M) fp32 chunk partials
+    xa_count_ptr,  # (m tiles, XA_COPIES, XA_COPY_STRIDE) int32 zeros: chunks stored so far, in XA_COPIES copies
+    offs_m,
+    pid_n,
+    pid_m,
+    n_chunks,
+    xa_chunk,
+    M,
+    K,
+    R,
+    stride_lxm,
+    stride_an,
+    USE_DOT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    XA_BLOCK_K: tl.constexpr,
+    XA_MAX_CHUNKS: tl.constexpr,
+    XA_COPIES: tl.constexpr,
+    XA_COPY_STRIDE: tl.constexpr,
+    XA_POLLS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """xa = x_lora @ A.T for this program's rows, in the adapter dtype: the chunk partials summed in one fixed order.
+
+    Waits (``XA_POLLS`` polls at most) until the producers have stored every chunk; if they have not, makes every
+    chunk here and stores it into the same slots (the same code gives the same bits, so a slot a producer writes
+    too holds the same value), then sums as usual. The counter polled is one of ``XA_COPIES`` copies (by tile), so
+    that the epilogues of many tiles do not all hit one address.
+    """
+    count_ptr = xa_count_ptr + (pid_m * XA_COPIES + pid_n % XA_COPIES) * XA_COPY_STRIDE
+    done = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    polls = 0
+    while (done < n_chunks) & (polls < XA_POLLS):
+        done = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+        polls += 1
+    slots = xa_part_ptr + pid_m * (XA_MAX_CHUNKS * BLOCK_R * BLOCK_M)
+    offs = _chunk_tile_offsets(USE_DOT, BLOCK_M, BLOCK_R)
+    if done < n_chunks:
+        for c in range(0, n_chunks):
+            k_lo = c * xa_chunk
+            part = _lora_down_chunk(lx_ptr, lora_a_ptr, offs_m, k_lo, tl.minimum(k_lo + xa_chunk, K), M, R,
+                                    stride_lxm, stride_an, USE_DOT, DOT_FP32, BLOCK_M, BLOCK_R, XA_BLOCK_K)  # fmt: skip
+            tl.store(slots + c * (BLOCK_R * BLOCK_M) + offs, part)
+        tl.debug_barrier()
+    # All chunk partials in one load, read from L2 (.cg), not a stale L1 line; missing chunks read as 0.
+    chunks = tl.arange(0, XA_MAX_CHUNKS)
+    if USE_DOT:
+        ptrs = slots + chunks[:, None, None] * (BLOCK_R * BLOCK_M) + offs[None, :, :]
+        parts = tl.load(ptrs, mask=(chunks < n_chunks)[:, None, None], other=0.0, cache_modifier=".cg")
+        xa = tl.sum(parts, axis=0)  # (BLOCK_R, BLOCK_M)
+    else:
+        ptrs = slots + chunks[:, None] * (BLOCK_R * BLOCK_M) + tl.arange(0, BLOCK_R)[None, :]
+        parts = tl.load(ptrs, mask=(chunks < n_chunks)[:, None], other=0.0, cache_modifier=".cg")
+        xa = tl.sum(parts, axis=0)[None, :]  # (1, BLOCK_R)
+    return round_to(xa, lora_a_ptr.dtype.element_ty, INTERPRET)
+
+
+@triton.jit
+def _epilogue(
+    acc,  # (BLOCK_N, BLOCK_M) fp32: (x @ W.T).T for this tile
+    offs_n,
+    offs_m,
+    pid_n,
+    pid_m,
+    M,
+    N,
+    K,
+    R,
+    scaling,
+    bias_ptr,
+    lx_ptr,
+    lora_a_ptr,
+    lora_b_ptr,  # (N, R)
+    xa_part_ptr,
+    xa_count_ptr,
+    out_ptr,  # (M, N)
+    n_chunks,
+    xa_chunk,
+    stride_lxm,
+    stride_an,
+    stride_bn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    LORA_DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    XA_BLOCK_K: tl.constexpr,
+    XA_MAX_CHUNKS: tl.constexpr,
+    XA_COPIES: tl.constexpr,
+    XA_COPY_STRIDE: tl.constexpr,
+    XA_POLLS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """out[m, n] = acc + bias (rounded to x.dtype) + scaling * xa[m] @ B[n] (fp32), stored in x.dtype.
+
+    ``xa = x_lora @ A.T`` (adapter dtype) comes from [`_lora_down`]: (BLOCK_R, BLOCK_M) for the MMA path, (1, BLOCK_R)
+    for M = 1.
+    """
+    out_ty = out_ptr.dtype.element_ty
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    if HAS_LORA:
+        xa = _lora_down(lx_ptr, lora_a_ptr, xa_part_ptr, xa_count_ptr, offs_m, pid_n, pid_m, n_chunks, xa_chunk, M,
+                        K, R, stride_lxm, stride_an, USE_DOT, LORA_DOT_FP32, BLOCK_M, BLOCK_R, XA_BLOCK_K,
+                        XA_MAX_CHUNKS, XA_COPIES, XA_COPY_STRIDE, XA_POLLS, INTERPRET)  # fmt: skip
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        acc += round_to(bias, out_ty, INTERPRET).to(tl.float32)[:, None]
+    if HAS_LORA:
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < R
+        b_ptrs = lora_b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :]
+        b = tl.load(b_ptrs, mask=mask_n[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_N, BLOCK_R)
+        b = b.to(xa.dtype)  # the reference casts B to the adapter (A) dtype
+        if USE_DOT:  # xa: (BLOCK_R, BLOCK_M)
+            if LORA_DOT_FP32:
+                lora = tl.dot(b.to(tl.float32), xa.to(tl.float32), input_precision="ieee")
+            else:
+                lora = tl.dot(b, xa)
+        else:  # xa: (1, BLOCK_R)
+            lora = tl.sum(b.to(tl.float32) * xa.to(tl.float32), axis=1)[:, None]
+        acc += lora * scaling
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, round_to(acc, out_ty, INTERPRET), mask=mask_n[:, None] & mask_m[None, :])
+
+
+@triton.jit
+def _fused_small_m_kernel(
+    x_ptr,  # (M, K), unit stride along K
+    w_ptr,  # packed uint8 bytes (4-bit) or int8 (N, K)
+    absmax_ptr,
+    code_ptr,
+    nested_code_ptr,
+    nested_absmax_ptr,
+    offset_ptr,
+    bias_ptr,  # (N,)
+    lx_ptr,  # (M, K) LoRA input rows (x or x_lora), unit stride along K
+    lora_a_ptr,  # (R, K)
+    lora_b_ptr,  # (N, R)
+    out_ptr,  # (M, N) in x.dtype
+    partial_ptr,  # (SPLIT_K, M, N) fp32 workspace (SPLIT_K > 1)
+    arrivals_ptr,  # (tiles,) int32 zeros (SPLIT_K > 1)
+    xa_part_ptr,  # (m tiles, XA_MAX_CHUNKS, BLOCK_R * BLOCK_M) fp32 workspace (HAS_LORA)
+    xa_count_ptr,  # (m tiles, XA_COPIES, XA_COPY_STRIDE) int32 zeros (HAS_LORA)
+    M,
+    N,
+    K,
+    R,
+    scaling,
+    stride_xm,
+    stride_wn,
+    stride_lxm,
+    stride_an,
+    stride_bn,
+    stride_om,
+    k_per_split,  # multiple of BLOCK_K
+    n_chunks,  # K chunks of xa, each made by one program: n_chunks <= programs per M tile
+    xa_chunk,  # multiple of XA_BLOCK_K
+    WEIGHT_KIND: tl.constexpr,
+    BLOCKSIZE: tl.constexpr,
+    NESTED: tl.constexpr,
+    NESTED_BLOCKSIZE: tl.constexpr,
+    SUB: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # fp32 inputs: exact fp32 dot (also the interpreter, whose bf16 dot is broken)
+    LORA_DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    XA_BLOCK_K: tl.constexpr,
+    XA_MAX_CHUNKS: tl.constexpr,
+    XA_COPIES: tl.constexpr,  # copies of each chunk counter, XA_COPY_STRIDE int32 apart (own 128-byte lines)
+    XA_COPY_STRIDE: tl.constexpr,
+    XA_POLLS: tl.constexpr,  # counter polls before an epilogue makes the xa chunks itself (0: interpreter)
+    INTERPRET: tl.constexpr,
+    FACTOR_SCALES: tl.constexpr,  # M = 1, ALIGNED 4-bit: scale applied per sub-block (see _factored_row_dot)
+    MUL_RN: tl.constexpr,  # exact nested-absmax decode with fp fusion on (compiled kernels; see _decode_absmax)
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    x_ty = x_ptr.dtype.element_ty
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+
+    if HAS_LORA:
+        # Programs are dispatched in order of their linear id (pid_n fastest): the first n_chunks of each M tile make
+        # one xa chunk each, before their own tile, so the epilogues (after a whole tile) rarely wait for it.
+        chunk = pid_n + pid_k * tl.num_programs(0)
+        if chunk < n_chunks:
+            k_lo = chunk * xa_chunk
+            k_hi = tl.minimum(k_lo + xa_chunk, K)
+            part = _lora_down_chunk(lx_ptr, lora_a_ptr, offs_m, k_lo, k_hi, M, R, stride_lxm, stride_an, USE_DOT,
+                                    LORA_DOT_FP32, BLOCK_M, BLOCK_R, XA_BLOCK_K)  # fmt: skip
+            slot = (pid_m * XA_MAX_CHUNKS + chunk) * (BLOCK_R * BLOCK_M)
+            tl.store(xa_part_ptr + slot + _chunk_tile_offsets(USE_DOT, BLOCK_M, BLOCK_R), part)
+            # Every thread's store is done before one thread counts the chunk (release, GPU scope), in every copy.
+            tl.debug_barrier()
+            for copy in tl.static_range(XA_COPIES):
+                count_ptr = xa_count_ptr + (pid_m * XA_COPIES + copy) * XA_COPY_STRIDE
+                tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+
+    # Software prefetch: the reads of tile i + 1 (weight codes, scales, x) are issued before tile i is decoded and
+    # multiplied. (Triton's own pipeliner, num_stages > 1, would also stage the per-element code-table gathers
+    # through shared memory.) A prefetch past k_end is fully masked and reads nothing.
+    packed, raw_scale = _load_weight_raw(
+        w_ptr, absmax_ptr, offs_n, k_start, k_end, N, K, stride_wn, WEIGHT_KIND, BLOCKSIZE, SUB, BLOCK_N, BLOCK_K
+    )
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if FACTOR_SCALES:
+        x_row_ptr = x_ptr + pid_m * stride_xm
+        x_even, x_odd = _load_x_pairs(x_row_ptr, k_start, k_end, SUB, BLOCK_K)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            cur_packed, cur_scale, cur_even, cur_odd = packed, raw_scale, x_even, x_odd
+            packed, raw_scale = _load_weight_raw(
+                w_ptr, absmax_ptr, offs_n, k0 + BLOCK_K, k_end, N, K, stride_wn, WEIGHT_KIND, BLOCKSIZE, SUB, BLOCK_N,
+                BLOCK_K,
+            )
+            x_even, x_odd = _load_x_pairs(x_row_ptr, k0 + BLOCK_K, k_end, SUB, BLOCK_K)
+            acc += _factored_row_dot(
+                cur_packed, cur_scale, cur_even, cur_odd, code_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+                offs_n, k0, k_end, N, K, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB, BLOCK_K, MUL_RN,
+            )[:, None]
+    else:
+        x_tile = _load_x_tile(x_ptr, offs_m, k_start, k_end, M, stride_xm, USE_DOT, BLOCK_K)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            w = _decode_weight_tile(packed, raw_scale, code_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, offs_n,
+                                    k0, k_end, N, K, WEIGHT_KIND, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB, BLOCK_N,
+                                    BLOCK_K, x_ty, INTERPRET, MUL_RN)  # fmt: skip
+            x_cur = x_tile
+            packed, raw_scale = _load_weight_raw(w_ptr, absmax_ptr, offs_n, k0 + BLOCK_K, k_end, N, K, stride_wn,
+                                                 WEIGHT_KIND, BLOCKSIZE, SUB, BLOCK_N, BLOCK_K)  # fmt: skip
+            x_tile = _load_x_tile(x_ptr, offs_m, k0 + BLOCK_K, k_end, M, stride_xm, USE_DOT, BLOCK_K)
+            if USE_DOT:  # x_cur: (BLOCK_K, BLOCK_M)
+                if DOT_FP32:
+                    acc = tl.dot(w.to(tl.float32), x_cur.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(w, x_cur, acc)
+            else:  # x_cur: (1, BLOCK_K). Reduced every tile: (BLOCK_N, BLOCK_K) partial sums would cost registers.
+                acc += tl.sum(w.to(tl.float32) * x_cur.to(tl.float32), axis=1)[:, None]
+
+    # Split-K: every program stores its partial sums; the last to arrive for a tile sums them all and finishes it.
+    is_last = True
+    if SPLIT_K > 1:
+        tile_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+        tile_offs = offs_m[None, :] * N + offs_n[:, None]
+        tl.store(partial_ptr + pid_k * M * N + tile_offs, acc, mask=tile_mask)
+        # Every thread's partial is written before one thread publishes the arrival (release, GPU scope)...
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + pid_m * tl.num_programs(0) + pid_n, 1, sem="acq_rel", scope="gpu")
+        is_last = arrived == SPLIT_K - 1
+        if is_last:
+            # ...and the last program to arrive (acquire) sums all partials in split order, read from L2 (.cg).
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                acc += tl.load(partial_ptr + s * M * N + tile_offs, mask=tile_mask, other=0.0, cache_modifier=".cg")
+    if is_last:
+        _epilogue(acc, offs_n, offs_m, pid_n, pid_m, M, N, K, R, scaling, bias_ptr, lx_ptr, lora_a_ptr, lora_b_ptr,
+                  xa_part_ptr, xa_count_ptr, out_ptr, n_chunks, xa_chunk, stride_lxm, stride_an, stride_bn, stride_om,
+                  HAS_BIAS, HAS_LORA, USE_DOT, LORA_DOT_FP32, BLOCK_M, BLOCK_R, XA_BLOCK_K, XA_MAX_CHUNKS, XA_COPIES,
+                  XA_COPY_STRIDE, XA_POLLS, INTERPRET)  # fmt: skip
