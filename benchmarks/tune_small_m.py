@@ -11,8 +11,8 @@ activations with an r=16 LoRA (random A and B):
    M and at every smaller M of the grid (0: it never does).
 
 Timing, as in bench_layers.py's kernels section: every op cycles over enough weight copies to defeat the L2, all
-captured in one CUDA graph; us per call = replay time / calls. The fused forward is one launch (plus the memset of its counters); the
-LoRA down-projection ``x @ A.T`` is made inside it.
+captured in one CUDA graph; us per call = replay time / calls. The fused forward is one launch (plus the memset of
+its counters); the LoRA down-projection ``x @ A.T`` is made inside it.
 
 Search. Compiling is what costs: Triton builds one binary per tiling (split_k included; shapes are not constexprs).
   pass 1  M=1: FMA tilings and a few tensor-core ones; M=16: tensor-core tilings. Tiles hold 16-64 weight elements
