@@ -24,7 +24,9 @@ from packaging.version import Version
 
 from ._atomic import staged_write
 
-SUPPORTED_PEFT = (Version("0.21.0"), Version("0.22.0"))
+# The oldest PEFT whose internals this module was written against; newer releases are accepted as long as every
+# [`PRIVATE_PEFT_API`] entry and public entry point below still resolves (checked at import).
+MIN_PEFT = Version("0.21.0")
 FASTLORA = "FASTLORA"
 _CARD_HOOK_MARK = "_peft_fastlora_card_hook"
 _STATE_DICT_HOOK_MARK = "_peft_fastlora_state_dict_hook"
@@ -61,10 +63,9 @@ class UnsupportedPeftVersionError(ImportError):
 
 
 def _fail(what: str) -> None:
-    lo, hi = SUPPORTED_PEFT
     raise UnsupportedPeftVersionError(
-        f"peft_fastlora supports peft>={lo},<{hi}, but the installed peft {peft.__version__} {what}. "
-        f'Install a supported version: pip install "peft>={lo},<{hi}".'
+        f"peft_fastlora needs peft>={MIN_PEFT} with the internals it lists, but the installed peft {peft.__version__} "
+        f'{what}. Install a version known to work: pip install "peft>={MIN_PEFT},<0.22" (see docs/versions.md).'
     )
 
 
@@ -78,9 +79,8 @@ def _resolve(symbol: PrivateSymbol):
 
 def check_peft_version() -> None:
     """Checks the installed PEFT version, its public entry points used here, and every [`PRIVATE_PEFT_API`] entry."""
-    lo, hi = SUPPORTED_PEFT
-    if not lo <= Version(Version(peft.__version__).base_version) < hi:
-        _fail("is outside that range")
+    if Version(Version(peft.__version__).base_version) < MIN_PEFT:
+        _fail("is older")
     from peft import mapping, peft_model, utils
 
     for owner, name in [

@@ -38,8 +38,14 @@ def test_registration_is_idempotent_on_reimport():
 
 def test_unsupported_peft_version_fails_loudly(monkeypatch):
     monkeypatch.setattr(_registry.peft, "__version__", "0.19.0")
-    with pytest.raises(_registry.UnsupportedPeftVersionError, match=r"peft>=0\.21\.0,<0\.22\.0.*0\.19\.0"):
+    with pytest.raises(_registry.UnsupportedPeftVersionError, match=r"peft>=0\.21\.0 .*0\.19\.0 is older"):
         _registry.check_peft_version()
+
+
+def test_a_newer_peft_with_the_same_internals_is_accepted(monkeypatch):
+    """No upper bound: a release after the tested one passes as long as the internals it lists resolve."""
+    monkeypatch.setattr(_registry.peft, "__version__", "0.23.1")
+    _registry.check_peft_version()
 
 
 def test_missing_internal_fails_loudly(monkeypatch):
