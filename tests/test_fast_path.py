@@ -233,9 +233,19 @@ def test_offloaded_checkpointing_matches_and_moves_inputs_to_cpu(tiny_llama_path
         assert torch.equal(grads_p[name], grads_f[name]), name
 
 
-@pytest.mark.gpu
-def test_fast_path_with_liger_tracks_plain_fastlora_over_20_steps(tiny_llama_path):
+@pytest.fixture
+def restore_llama_module(monkeypatch):
+    """Liger-Kernel replaces functions and classes of transformers' Llama module for the whole process (RoPE, the
+    RMSNorm and MLP classes); put them back after the test so that later tests see stock Llama."""
     pytest.importorskip("liger_kernel")
+    from transformers.models.llama import modeling_llama
+
+    for name in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP"):
+        monkeypatch.setattr(modeling_llama, name, getattr(modeling_llama, name))
+
+
+@pytest.mark.gpu
+def test_fast_path_with_liger_tracks_plain_fastlora_over_20_steps(tiny_llama_path, restore_llama_module):
     ids = torch.randint(3, 128, (4, 64), device="cuda")
     curves = []
     for use_fast in (False, True):
@@ -283,10 +293,9 @@ def test_compiled_generation_on_gpu_replays_cuda_graphs_with_same_tokens(tiny_ll
 
 
 @pytest.mark.gpu
-def test_trainer_use_liger_kernel_with_a_fastlora_model(tiny_llama_path, tmp_path):
+def test_trainer_use_liger_kernel_with_a_fastlora_model(tiny_llama_path, tmp_path, restore_llama_module):
     """The documented Trainer recipe: `TrainingArguments(use_liger_kernel=True)` patches the transformers model under
     the PeftModel and trains the FastLoRA adapters."""
-    pytest.importorskip("liger_kernel")
     from transformers import Trainer, TrainingArguments
 
     model = fastlora_model(tiny_llama_path, device="cuda")
