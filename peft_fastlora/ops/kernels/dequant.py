@@ -27,7 +27,7 @@ from ..quant_state import Int8Rowwise, Packed4bit, QuantizedWeight, memo
 from .jit import INV_127, decode_nibbles, load_absmax, round_to
 from .launch import cdiv, is_interpreted, launch, next_power_of_2, require_launchable
 
-# 4-bit tiling (``benchmarks/gpu_kernel_smoke.py --sweep``, H200, bf16 out): 16 packed bytes per thread x 4 warps
+# 4-bit tiling (a sweep of tilings on an H200, bf16 out): 16 packed bytes per thread x 4 warps
 # reach 70% (4096x4096) and 87% (14336x4096) of a device-to-device copy. fp32 outputs take half the bytes per thread
 # (same registers).
 NUM_WARPS_4BIT = 4
