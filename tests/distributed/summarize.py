@@ -1,4 +1,4 @@
-"""Writes ``SUMMARY.md`` for ``benchmarks/run_distributed_gpu.sh``: ``python -m tests.distributed.summarize OUTDIR``.
+"""Writes ``SUMMARY.md`` for ``tests/distributed/run_gpu.sh``: ``python -m tests.distributed.summarize OUTDIR``.
 
 Reads the per-step status lines (``steps.tsv``: name, exit code, seconds, log) and the workers' JSON results
 (``results/{ddp,fsdp,trainer}-*.json``, ``device_map.json``), and prints one line per check.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every multi-GPU FastLoRA check in one command, for a machine with 2 GPUs:
 #
-#     bash benchmarks/run_distributed_gpu.sh OUTDIR
+#     bash tests/distributed/run_gpu.sh OUTDIR
 #
 # Runs (each step under a time limit, continuing past failures; ~6 min when all pass, 8.3 min at most):
 #   ddp            torchrun, 2 procs, nccl: DDP(find_unused_parameters=False) vs one process on the same global batch
@@ -16,10 +16,10 @@
 # Writes OUTDIR/<step>.log, OUTDIR/results/*.json, OUTDIR/device_map.json and OUTDIR/SUMMARY.md.
 # Exit code: 0 when every check passed, 1 otherwise.
 set -u
-OUT=${1:?usage: bash benchmarks/run_distributed_gpu.sh OUTDIR}
+OUT=${1:?usage: bash tests/distributed/run_gpu.sh OUTDIR}
 mkdir -p "$OUT/results"
 OUT=$(cd "$OUT" && pwd)
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python}
 BUDGET_S=${FASTLORA_GPU_BUDGET_S:-500}
 
