@@ -159,19 +159,18 @@ def _weight_args(weight: QuantizedWeight, block_k: int) -> tuple[tuple, tuple]:
     return pointers, (kind.value, bs, weight.nested, nested_bs, min(bs, block_k))
 
 
-def _kernel_args(
-    x_ptr, w_ptr, absmax_ptr, code_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, bias_ptr, lx_ptr, lora_a_ptr,
-    lora_b_ptr, out_ptr, partial_ptr, arrivals_ptr, xa_part_ptr, xa_count_ptr, M, N, K, R, scaling, stride_xm,
-    stride_wn, stride_lxm, stride_an, stride_bn, stride_om, k_per_split, n_chunks, xa_chunk, WEIGHT_KIND, BLOCKSIZE,
-    NESTED, NESTED_BLOCKSIZE, SUB, HAS_BIAS, HAS_LORA, USE_DOT, DOT_FP32, LORA_DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
-    BLOCK_R, SPLIT_K, XA_BLOCK_K, XA_MAX_CHUNKS, XA_COPIES, XA_COPY_STRIDE, XA_POLLS, INTERPRET, FACTOR_SCALES, MUL_RN,
-):  # fmt: skip
-    """The kernel's arguments in its parameter order; called with keywords, so each value is bound by name."""
-    return tuple(locals().values())
-
-
-# The helper's parameters are the kernel's, in order (checked once, here, rather than by Triton at launch).
-assert list(inspect.signature(_kernel_args).parameters) == list(inspect.signature(_fused_small_m_kernel.fn).parameters)
+# The kernel's parameters in order: the launcher builds its argument tuple positionally in this order (keyword
+# binding of 53 arguments cost ~6 us of host time per decode call), and this list is checked against the kernel's
+# signature here, at import, so that an edit of either one cannot silently shift arguments.
+KERNEL_PARAMS = (
+    "x_ptr", "w_ptr", "absmax_ptr", "code_ptr", "nested_code_ptr", "nested_absmax_ptr", "offset_ptr", "bias_ptr",
+    "lx_ptr", "lora_a_ptr", "lora_b_ptr", "out_ptr", "partial_ptr", "arrivals_ptr", "xa_part_ptr", "xa_count_ptr", "M",
+    "N", "K", "R", "scaling", "stride_xm", "stride_wn", "stride_lxm", "stride_an", "stride_bn", "stride_om",
+    "k_per_split", "n_chunks", "xa_chunk", "WEIGHT_KIND", "BLOCKSIZE", "NESTED", "NESTED_BLOCKSIZE", "SUB", "HAS_BIAS",
+    "HAS_LORA", "USE_DOT", "DOT_FP32", "LORA_DOT_FP32", "BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_R", "SPLIT_K",
+    "XA_BLOCK_K", "XA_MAX_CHUNKS", "XA_COPIES", "XA_COPY_STRIDE", "XA_POLLS", "INTERPRET", "FACTOR_SCALES", "MUL_RN",
+)  # fmt: skip
+assert KERNEL_PARAMS == tuple(inspect.signature(_fused_small_m_kernel.fn).parameters)
 
 
 def small_m_linear_tiled(
@@ -205,41 +204,33 @@ def small_m_linear_tiled(
     w_args, w_meta = memo(weight, ("small_m", config.block_k), lambda: _weight_args(weight, config.block_k))
     interpret = is_interpreted(_fused_small_m_kernel)
     require_launchable(_fused_small_m_kernel, device)
-    args = _kernel_args(
-        x_ptr=x2d,
-        w_ptr=w_args[0], absmax_ptr=w_args[1], code_ptr=w_args[2], nested_code_ptr=w_args[3],
-        nested_absmax_ptr=w_args[4], offset_ptr=w_args[5],
-        bias_ptr=bias if bias is not None else out,
-        lx_ptr=lora_x2d if has_lora else out,
-        lora_a_ptr=lora_a if has_lora else out,
-        lora_b_ptr=lora_b if has_lora else out,
-        out_ptr=out,
-        partial_ptr=torch.empty(plan.n_partials, dtype=torch.float32, device=device) if plan.n_partials else out,
-        arrivals_ptr=counters[: plan.n_arrivals] if plan.n_arrivals else out,
-        xa_part_ptr=torch.empty(plan.n_xa_parts, dtype=torch.float32, device=device) if plan.n_xa_parts else out,
-        xa_count_ptr=(counters[plan.n_arrivals :] if plan.n_arrivals else counters) if plan.n_xa_counts else out,
-        M=m, N=n, K=k, R=r, scaling=float(scaling),
-        stride_xm=x2d.stride(0),
-        stride_wn=w_args[6],
-        stride_lxm=lora_x2d.stride(0) if has_lora else 0,
-        stride_an=lora_a.stride(0) if has_lora else 0,
-        stride_bn=lora_b.stride(0) if has_lora else 0,
-        stride_om=out.stride(0),
-        k_per_split=plan.k_per_split, n_chunks=plan.n_chunks, xa_chunk=plan.xa_chunk,
-        WEIGHT_KIND=w_meta[0], BLOCKSIZE=w_meta[1], NESTED=w_meta[2], NESTED_BLOCKSIZE=w_meta[3], SUB=w_meta[4],
-        HAS_BIAS=bias is not None,
-        HAS_LORA=has_lora,
-        USE_DOT=config.use_dot,
-        DOT_FP32=interpret or x2d.dtype == torch.float32,  # the interpreter's bf16 dot is not exact
-        LORA_DOT_FP32=interpret or (has_lora and lora_a.dtype == torch.float32),
-        BLOCK_M=plan.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_R=plan.block_r,
-        SPLIT_K=plan.split_k, XA_BLOCK_K=plan.xa_block_k,
-        XA_MAX_CHUNKS=XA_MAX_CHUNKS, XA_COPIES=XA_COPIES, XA_COPY_STRIDE=XA_COPY_STRIDE,
-        XA_POLLS=0 if interpret else XA_POLLS,  # the interpreter runs programs one by one: a count stays incomplete
-        INTERPRET=interpret,
-        FACTOR_SCALES=config.factor_scales and not config.use_dot and w_meta[0] == WEIGHT_4BIT_ALIGNED.value,
-        MUL_RN=not interpret,
+    lora = (lora_x2d, lora_a, lora_b) if has_lora else (out, out, out)
+    lora_strides = (lora_x2d.stride(0), lora_a.stride(0), lora_b.stride(0)) if has_lora else (0, 0, 0)
+    args = (  # in KERNEL_PARAMS order
+        # pointers: x, the weight's seven fields, bias, the LoRA tensors, out, workspaces (unused ones point at out)
+        x2d, *w_args[:6], bias if bias is not None else out, *lora, out,
+        torch.empty(plan.n_partials, dtype=torch.float32, device=device) if plan.n_partials else out,
+        counters[: plan.n_arrivals] if plan.n_arrivals else out,
+        torch.empty(plan.n_xa_parts, dtype=torch.float32, device=device) if plan.n_xa_parts else out,
+        (counters[plan.n_arrivals :] if plan.n_arrivals else counters) if plan.n_xa_counts else out,
+        # sizes and strides: M, N, K, R, scaling, stride_xm, stride_wn, stride_lxm, stride_an, stride_bn, stride_om
+        m, n, k, r, float(scaling), x2d.stride(0), w_args[6], *lora_strides, out.stride(0),
+        plan.k_per_split, plan.n_chunks, plan.xa_chunk,
+        # WEIGHT_KIND, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB
+        *w_meta,
+        bias is not None,  # HAS_BIAS
+        has_lora,  # HAS_LORA
+        config.use_dot,  # USE_DOT
+        interpret or x2d.dtype == torch.float32,  # DOT_FP32: the interpreter's bf16 dot is not exact
+        interpret or (has_lora and lora_a.dtype == torch.float32),  # LORA_DOT_FP32
+        plan.block_m, config.block_n, config.block_k, plan.block_r, plan.split_k, plan.xa_block_k,
+        XA_MAX_CHUNKS, XA_COPIES, XA_COPY_STRIDE,
+        0 if interpret else XA_POLLS,  # XA_POLLS: the interpreter runs programs one by one, a count stays incomplete
+        interpret,  # INTERPRET
+        config.factor_scales and not config.use_dot and w_meta[0] == WEIGHT_4BIT_ALIGNED.value,  # FACTOR_SCALES
+        not interpret,  # MUL_RN
     )  # fmt: skip
+    assert len(args) == len(KERNEL_PARAMS)
     # fp fusion stays on (FMAs in the dot products): the only sums that must not fuse, in the nested-absmax decode,
     # use mul.rn (MUL_RN). The interpreter computes exactly as written.
     launch(_fused_small_m_kernel, plan.grid, args, device, num_warps=config.num_warps, num_stages=config.num_stages)
