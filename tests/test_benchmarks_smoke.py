@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# Minutes of subprocesses or whole training runs: `pytest -m 'not slow'` leaves them out while working on the code.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
 HEADER_KEYS = ("gpu", "torch", "triton", "transformers", "peft", "bitsandbytes", "date", "command")

@@ -10,6 +10,9 @@ import pytest
 from tests.distributed import _common as C
 from tests.distributed import _launch as L
 
+# Minutes of subprocesses or whole training runs: `pytest -m 'not slow'` leaves them out while working on the code.
+pytestmark = pytest.mark.slow
+
 # fp32: pure-torch reference path; the others run LoraLinearFunction (the CUDA autograd path, Triton interpreted).
 SCENARIOS = ["fp32-ref", "fp32", "fp32-gc", "fp32-gcr", "fp32-mts"]
 

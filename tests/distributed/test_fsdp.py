@@ -15,6 +15,9 @@ import pytest
 from tests.distributed import _common as C
 from tests.distributed import _launch as L
 
+# Minutes of subprocesses or whole training runs: `pytest -m 'not slow'` leaves them out while working on the code.
+pytestmark = pytest.mark.slow
+
 # uint8 storage (bitsandbytes' default) with fp32 adapters; bf16 storage with `adapter_dtype="fp32"` (kept: FSDP2 mixed
 # precision computes with bf16 copies), FSDP mixed precision, gradient checkpointing and modules_to_save, under the
 # CUDA NaN-rewrite simulation; all on the LoraLinearFunction path.

@@ -8,8 +8,13 @@ two save fixes (``_registry.hook_adapter_state_dict``, ``distributed.fsdp1_modul
 holds only ``lm_head``, or the save hangs.
 """
 
+import pytest
+
 from tests.distributed import _common as C
 from tests.distributed import _launch as L
+
+# Minutes of subprocesses or whole training runs: `pytest -m 'not slow'` leaves them out while working on the code.
+pytestmark = pytest.mark.slow
 
 SCENARIO = "bf16-st-a32-gc-mts"
 

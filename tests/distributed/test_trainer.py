@@ -10,6 +10,9 @@ import pytest
 from tests.distributed import _common as C
 from tests.distributed import _launch as L
 
+# Minutes of subprocesses or whole training runs: `pytest -m 'not slow'` leaves them out while working on the code.
+pytestmark = pytest.mark.slow
+
 SCENARIO = "fp32-gc-mts"
 
 

@@ -24,6 +24,9 @@ import torch
 from .conftest import CUDA
 from .helpers import copy_adapters, fastlora, load, stock_lora, token_batch, train_steps
 
+# Minutes of subprocesses or whole training runs: `pytest -m 'not slow'` leaves them out while working on the code.
+pytestmark = pytest.mark.slow
+
 STEPS = 20
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 INT8_CUDA_TOL = 5e-2

@@ -27,6 +27,9 @@ from peft_fastlora.trainer_check import (
 from .conftest import CPU, CUDA
 from .helpers import fastlora, load, stock_lora, token_batch, trainable, trainer_kwargs
 
+# Minutes of subprocesses or whole training runs: `pytest -m 'not slow'` leaves them out while working on the code.
+pytestmark = pytest.mark.slow
+
 STEPS = 20
 MAX_SKIPPED_STEPS = 3  # GradScaler may skip the first steps while it finds its scale; more means overflowing grads
 MIN_LOSS_DROP = 0.3  # memorizing one repeated 16-token sequence at lr 1e-2: ~4.9 -> ~3.9 in 20 steps

@@ -29,6 +29,9 @@ from peft_fastlora.layer import FastLoraLayer
 from .conftest import CPU, CUDA
 from .helpers import fastlora, load, recast_warnings, recorded_warnings, token_batch, trainable, trainer_kwargs
 
+# Minutes of subprocesses or whole training runs: `pytest -m 'not slow'` leaves them out while working on the code.
+pytestmark = pytest.mark.slow
+
 TRL_CAST_SOURCE = "param.data = param.data.to(torch.bfloat16)"
 
 
