@@ -5,25 +5,28 @@ code on the device, saved once to a local directory (``--model-dir``, default a 
 end; reuse it across runs with ``--model-dir DIR --keep-model``) and loaded quantized through the normal
 transformers path: ``from_pretrained(dir, quantization_config=BitsAndBytesConfig(...), device_map={"": 0})``.
 
-Providers, all measured in the same run (LoRA r=16 on every linear layer, AdamW, bf16 autocast, ``model.train()``):
+Providers (LoRA r=16 on every linear layer, AdamW, bf16 autocast, ``model.train()``):
   bf16-lora                        PEFT LoRA on the unquantized bf16 model (the ceiling)
   peft-bnb-nf4, -nf4-dq, -int8     PEFT LoRA on the bitsandbytes model
   fastlora-nf4, -nf4-dq, -int8     FastLoRA (``FastLoraConfig``) on the same bitsandbytes model
+  fastpath-nf4                     FastLoRA + ``peft_fastlora.enable_fast_path`` (Liger-Kernel; offload when checkpointed)
+  fastlora-liger-nf4, fastlora-compiled-nf4   the fast path's halves (not run by default)
+  unsloth-nf4                      Unsloth's own step (``unsloth_step.py``; not run by default, needs Unsloth)
 
-Each trains at sequence 2048, batch 1 and 4, with and without gradient checkpointing (non-reentrant): tokens/s is
-the median over timed steps after warm-up (``torch.cuda.synchronize`` around each step), peak memory is
-``torch.cuda.max_memory_allocated`` since a reset before the first step. One provider's model is resident at a time
-during training, so no other model inflates its peak. ``--profile PROVIDER`` writes the top-20 CUDA kernels of one
-training step.
+By default each provider runs in its own process (a child of this one; the parent merges the rows and derives the
+ratios): peak memory only compares that way, and Unsloth patches transformers on import. ``--in-process`` runs them
+all here instead, one model resident at a time during training.
 
-Greedy generation (batch 1, 128 new tokens, adapter active) gives decode tokens/s, in its own phase after all
-training: every ``--gen-providers`` model is loaded and kept resident, warmed up with one full-length generate, then
-timed in ``--gen-repeats`` interleaved rounds (one generate per provider per round; round i starts at provider
-i mod P). One generate is host-bound and its time drifts with the host (baselines moved 1.4x between runs while
-FastLoRA stayed put), so each provider reports the median and min/max tokens/s over the rounds, and the ratio to
-bf16 LoRA is also taken round by round (``ratio_to_bf16_round_*``): a same-round ratio cancels the drift, and the
-generation target uses its median. With ``--budget-s``, training and profiling stop ``--gen-reserve-s`` early so that
-the generation phase keeps its share of the budget.
+Each trains at sequence 2048, batch 1 and 4, with and without gradient checkpointing (non-reentrant; ``--reentrant``
+for the other kind): tokens/s is the median over timed steps after warm-up (``torch.cuda.synchronize`` around each
+step), peak memory is ``torch.cuda.max_memory_allocated`` since a reset before the first step. ``--profile PROVIDER``
+writes the top-20 CUDA kernels of one training step.
+
+Greedy generation (batch 1, 128 new tokens, adapter active) gives decode tokens/s after training, the median and
+min/max over ``--gen-repeats`` generates. In one process (``--in-process``) every ``--gen-providers`` model is kept
+resident and timed in interleaved rounds (round i starts at provider i mod P), and the ratio to bf16 LoRA is also
+taken round by round (``ratio_to_bf16_round_*``): a same-round ratio cancels the host's drift. With ``--budget-s``,
+training and profiling stop ``--gen-reserve-s`` early so that the generation phase keeps its share of the budget.
 
 GPU:   python benchmarks/bench_train_step.py --out benchmarks/results
 CI:    python benchmarks/bench_train_step.py --device cpu --tiny --out /tmp/x
