@@ -136,6 +136,10 @@ def main() -> None:
         print(f"[rank {rank}] trainer scenario {args.scenario} failed:\n{result['traceback']}", flush=True)
     if rank == 0 or not result["ok"]:
         C.write_result(args.out, "trainer" if rank == 0 else f"trainer-rank{rank}", args.tag, result)
+    # Left to interpreter exit, the process group's threads can be torn down mid-flight and abort the worker
+    # ("terminate called without an active exception", SIGABRT) after its result is written.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     if not result["ok"]:
         raise SystemExit(1)
 
