@@ -15,43 +15,28 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import _common as C
+import bench_train_step as B
 import torch
-from bench_train_step import LLAMA3_8B_8_LAYERS, RANK, TINY, build_and_save, load_model
 
-PROVIDERS = {"bf16-lora": (None, "peft"), "peft-bnb-nf4": ("nf4", "peft"), "fastlora-nf4": ("nf4", "fastlora")}
+PROVIDERS = ["bf16-lora", "peft-bnb-nf4", "fastlora-nf4"]  # rows of bench_train_step.PROVIDERS
 COLUMNS = ["provider", "mode", "batch", "prompt", "new_tokens", "repeats", "tokens_per_s", "ratio_to_peft_bnb_eager",
            "same_tokens_as_eager", "graph_breaks", "cudagraph_skips", "status", "error"]  # fmt: skip
 
 
-def wrap(model, tuner: str):
-    from peft import LoraConfig, get_peft_model
-
-    import peft_fastlora
-
-    common = dict(r=RANK, lora_alpha=2 * RANK, target_modules="all-linear", task_type="CAUSAL_LM")
-    config = peft_fastlora.FastLoraConfig(**common) if tuner == "fastlora" else LoraConfig(**common)
-    model = get_peft_model(model, config)
+def wrap(model, provider: str):
+    """bench_train_step's LoRA / FastLoRA wrapping with bf16 adapters, made to look trained, in eval mode."""
+    model, _ = B.wrap(model, provider, SimpleNamespace(lora_dropout=0.0, adapter_dtype="bf16"))
     with torch.no_grad():  # wide logit margins: random weights make near-ties that flip greedy tokens on rounding
         model.get_base_model().get_output_embeddings().weight.mul_(20)
-    for name, param in model.named_parameters():
-        if "lora_B" in name:  # a trained-looking adapter: B = 0 would make the LoRA term vanish
-            torch.nn.init.normal_(param, std=0.02)
-        if param.requires_grad:
-            param.data = param.data.to(torch.bfloat16)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # a trained-looking adapter: B = 0 would make the LoRA term vanish
+                torch.nn.init.normal_(param, std=0.02)
     return model.eval()
-
-
-def compile_decode(model) -> None:
-    """The decode step compiled with CUDA graphs and a static cache (``peft_fastlora.compile_for_generation``, which
-    transformers' own compiled generation does the same way but skips for bitsandbytes models)."""
-    from peft_fastlora.generation import compile_for_generation
-
-    compile_for_generation(model)
 
 
 def generate(model, prompt, new_tokens: int, static: bool):
@@ -88,28 +73,24 @@ def main(argv=None) -> int:
     import transformers
     from torch._dynamo.utils import counters
 
+    import peft_fastlora
+
     transformers.logging.set_verbosity_error()
     device = C.pick_device("cuda")
     env = C.env_info(device)
     env["run"] = "bench_generate " + " ".join(sys.argv[1:] if argv is None else argv)
     log = C.CsvLog(args.out / "generate.csv", COLUMNS, env)
-    config = transformers.LlamaConfig(**(TINY if args.tiny else LLAMA3_8B_8_LAYERS))
-    config.dtype = torch.bfloat16
+    config = B.model_config(args.tiny)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="fastlora-gen-model-") as tmp:
-        model_dir = Path(tmp)
-        built, _, _ = build_and_save(config, device, model_dir)
-        del built
-        C.free_memory(device)
+    with B.saved_random_model(config, device, "fastlora-gen-model-") as model_dir:
         for provider in C.parse_csv_arg(args.providers):
-            quant, tuner = PROVIDERS[provider]
             for mode in C.parse_csv_arg(args.modes):
                 torch._dynamo.reset()
                 counters.clear()
                 torch.manual_seed(0)
-                model = wrap(load_model(model_dir, quant, device), tuner)
+                model = wrap(B.load_model(model_dir, B.PROVIDERS[provider][0], device), provider)
                 if mode == "compiled":
-                    compile_decode(model)
+                    peft_fastlora.compile_for_generation(model)
                 for batch in map(int, C.parse_csv_arg(args.batches)):
                     row = dict(provider=provider, mode=mode, batch=batch, prompt=args.prompt_len,
                                new_tokens=args.new_tokens, repeats=args.repeats)  # fmt: skip

@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import _common as C
+import bench_train_step as B
 import torch
-from bench_train_step import LLAMA3_8B_8_LAYERS, RANK, TINY, build_and_save, load_model
 
 CASES = {  # name -> (prepare_model_for_kbit_training, autocast)
     "bf16 model, autocast": (False, True),
@@ -34,12 +33,12 @@ def run_case(model_dir: Path, prepare: bool, autocast: bool, args, device, vocab
 
     import peft_fastlora
 
-    model = load_model(model_dir, "nf4", device)
+    model = B.load_model(model_dir, "nf4", device)
     if prepare:
         model = prepare_model_for_kbit_training(model)  # also enables (reentrant) gradient checkpointing
     else:
         model.gradient_checkpointing_enable()
-    model = get_peft_model(model, peft_fastlora.FastLoraConfig(r=RANK, lora_alpha=2 * RANK,
+    model = get_peft_model(model, peft_fastlora.FastLoraConfig(r=B.RANK, lora_alpha=2 * B.RANK,
                                                                target_modules="all-linear", task_type="CAUSAL_LM"))
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -83,17 +82,13 @@ def main(argv=None) -> int:
     env = C.env_info(device)
     env["run"] = "bench_kbit_recipe " + " ".join(sys.argv[1:] if argv is None else argv)
     log = C.CsvLog(args.out / "kbit_recipe.csv", COLUMNS, env)
-    config = transformers.LlamaConfig(**(TINY if args.tiny else LLAMA3_8B_8_LAYERS))
-    config.dtype = torch.bfloat16
+    config = B.model_config(args.tiny)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="fastlora-kbit-model-") as tmp:
-        built, _, _ = build_and_save(config, device, Path(tmp))
-        del built
-        C.free_memory(device)
+    with B.saved_random_model(config, device, "fastlora-kbit-model-") as model_dir:
         for name, (prepare, autocast) in CASES.items():
             row = dict(case=name, batch=args.batch, seq=args.seq)
             try:
-                row.update(run_case(Path(tmp), prepare, autocast, args, device, config.vocab_size))
+                row.update(run_case(model_dir, prepare, autocast, args, device, config.vocab_size))
             except Exception as err:
                 row.update(status="oom" if C.is_oom(err) else "error", error=C.short_error(err))
             C.free_memory(device)

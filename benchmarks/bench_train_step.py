@@ -35,6 +35,7 @@ CI:    python benchmarks/bench_train_step.py --device cpu --tiny --out /tmp/x
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -44,7 +45,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -136,6 +137,26 @@ def build_and_save(config, device: torch.device, path: Path):
     start = time.perf_counter()
     model.save_pretrained(path)
     return model, built, time.perf_counter() - start
+
+
+def model_config(tiny: bool = False):
+    """The benchmark's Llama config (``TINY`` for smoke runs), bf16."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**(TINY if tiny else LLAMA3_8B_8_LAYERS))
+    config.dtype = torch.bfloat16
+    return config
+
+
+@contextlib.contextmanager
+def saved_random_model(config, device: torch.device, prefix: str) -> Iterator[Path]:
+    """A temporary directory holding the random model of ``config`` (built on ``device``, saved, and freed from the
+    device again, so that every provider loads it from disk); deleted on exit."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        model, _, _ = build_and_save(config, device, Path(tmp))
+        del model
+        C.free_memory(device)
+        yield Path(tmp)
 
 
 def bnb_config(quant: str):
@@ -537,6 +558,11 @@ def run_unsloth(args, out: Path, generate: bool) -> tuple[list[dict], list[dict]
     return rows, gen_rows
 
 
+def _rows_if_any(path: Path) -> list[dict]:
+    """The rows of a child's CSV; none if the child died before writing it."""
+    return C.read_csv(path) if path.exists() else []
+
+
 def run_isolated(args, argv: list[str], providers: list[str], gen_providers: list[str]) -> int:
     """Each provider in its own process, one after the other; then the merged tables, targets and plots."""
     out: Path = args.out
@@ -550,8 +576,8 @@ def run_isolated(args, argv: list[str], providers: list[str], gen_providers: lis
                 child_rows, child_gen = run_unsloth(args, child_out, generate)
             else:
                 run_child(provider, argv, child_out, model_dir, generate)
-                child_rows = C.read_csv(child_out / "train_step.csv") if (child_out / "train_step.csv").exists() else []
-                child_gen = C.read_csv(child_out / "generation.csv") if (child_out / "generation.csv").exists() else []
+                child_rows = _rows_if_any(child_out / "train_step.csv")
+                child_gen = _rows_if_any(child_out / "generation.csv")
             rows += child_rows
             gen_rows += child_gen
     finally:
@@ -560,8 +586,6 @@ def run_isolated(args, argv: list[str], providers: list[str], gen_providers: lis
     device = C.pick_device(args.device)
     env = C.env_info(device)
     env["run"] = f"bench_train_step (one process per provider) {' '.join(argv)}"
-    C.CsvLog(out / "train_step.csv", TRAIN_COLUMNS, env)
-    C.CsvLog(out / "generation.csv", GEN_COLUMNS, env)
     finalize(rows, gen_rows, out, env, C.CsvLog(out / "train_step.csv", TRAIN_COLUMNS, env),
              C.CsvLog(out / "generation.csv", GEN_COLUMNS, env))  # fmt: skip
     return 0
