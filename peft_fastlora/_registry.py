@@ -231,13 +231,12 @@ def _is_fastlora(peft_model) -> bool:
     return any(getattr(c, "peft_type", None) == PEFT_TYPE_FASTLORA for c in configs.values())
 
 
-def hook_model_card(update_card, clean_state_dict=None, saving_context=None) -> None:
+def hook_model_card(update_card, saving_context=None) -> None:
     """Makes ``PeftModel.save_pretrained`` call ``update_card(peft_model, save_directory, adapter_names=...)``.
 
     It runs after PEFT has written its own card and the adapter files, on the main process only, with the adapters
     that were actually saved (``selected_adapters``, default: all). For FastLoRA models given a ``state_dict`` (the
-    HF Trainer passes one under FSDP), that dict first goes through ``clean_state_dict`` and PEFT's save runs inside
-    ``saving_context(peft_model, state_dict)``.
+    HF Trainer passes one under FSDP), PEFT's save runs inside ``saving_context(peft_model, state_dict)``.
     """
     from peft.peft_model import PeftModel
 
@@ -247,11 +246,8 @@ def hook_model_card(update_card, clean_state_dict=None, saving_context=None) -> 
     @functools.wraps(original)
     def save_pretrained(self, save_directory, *args, **kwargs):
         context = contextlib.nullcontext()
-        if kwargs.get("state_dict") is not None and _is_fastlora(self):
-            if clean_state_dict is not None:
-                kwargs["state_dict"] = clean_state_dict(kwargs["state_dict"])
-            if saving_context is not None:
-                context = saving_context(self, kwargs["state_dict"])
+        if kwargs.get("state_dict") is not None and _is_fastlora(self) and saving_context is not None:
+            context = saving_context(self, kwargs["state_dict"])
         bound = inspect.signature(original).bind(self, save_directory, *args, **kwargs)
         bound.apply_defaults()
         if not bound.arguments.get("is_main_process", True):

@@ -94,7 +94,7 @@ def enable_fast_path(
     _check_choice("liger", liger, (True, False, "auto"))
     _check_choice("compile_blocks", compile_blocks, (True, False))
     _check_choice("offload_activations", offload_activations, (True, False))
-    hf_model = _transformers_model(model)
+    hf_model = transformers_model(model)
     model_type = str(getattr(hf_model.config, "model_type", "") or type(hf_model).__name__)
     report = FastPathReport(model_type=model_type)
     blocks = decoder_blocks(hf_model)
@@ -118,12 +118,12 @@ def _check_choice(name: str, value, allowed: tuple) -> None:
         raise ValueError(f"`{name}` must be one of {', '.join(map(repr, allowed))}, got {value!r}.")
 
 
-def _transformers_model(model: nn.Module) -> nn.Module:
+def transformers_model(model: nn.Module) -> nn.Module:
     """The transformers model under a `PeftModel` (or ``model`` itself)."""
     get_base = getattr(model, "get_base_model", None)
     hf_model = get_base() if callable(get_base) else model
     if not hasattr(hf_model, "config"):
-        raise TypeError(f"enable_fast_path needs a transformers model or a PeftModel wrapping one, got "
+        raise TypeError(f"expected a transformers model or a PeftModel wrapping one, got "
                         f"{type(model).__name__}.")  # fmt: skip
     return hf_model
 

@@ -15,6 +15,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .fast_path import transformers_model
+
 _EAGER_FORWARD = "_fastlora_eager_forward"
 
 
@@ -33,7 +35,7 @@ def compile_for_generation(
         `nn.Module`: ``model``, whose ``generate`` now decodes with the compiled step. Greedy outputs equal eager
         generation's; call [`restore_eager_generation`] to undo (before training again, for example).
     """
-    hf_model = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    hf_model = transformers_model(model)
     if _EAGER_FORWARD in hf_model.__dict__:
         return model
     eager = hf_model.forward
@@ -62,7 +64,7 @@ def compile_for_generation(
 
 def restore_eager_generation(model: nn.Module) -> nn.Module:
     """Undoes [`compile_for_generation`]: eager forward, and the default (dynamic) KV cache."""
-    hf_model = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    hf_model = transformers_model(model)
     eager = hf_model.__dict__.pop(_EAGER_FORWARD, None)
     if eager is not None:
         del hf_model.forward
