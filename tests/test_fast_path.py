@@ -18,18 +18,14 @@ from peft import get_peft_model
 
 import peft_fastlora
 from peft_fastlora import fast_path
-from tests.utils import load_quantized, save_tiny_llama
+from tests.utils import fast_config, load_quantized, save_tiny_llama
 
 AOT = {"backend": "aot_eager", "fullgraph": True}
 
 
 def fastlora_model(path, seed: int = 5, device: str = "cpu", **config):
     torch.manual_seed(seed)
-    model = load_quantized(path)
-    if device != "cpu":
-        model = model.to(device)
-    config = {"r": 8, "target_modules": "all-linear", "task_type": "CAUSAL_LM", **config}
-    model = get_peft_model(model, peft_fastlora.FastLoraConfig(**config))
+    model = get_peft_model(load_quantized(path, device=device), fast_config(**{"lora_alpha": 8, **config}))
     for name, param in model.named_parameters():
         if "lora_B" in name:  # B = 0 would hide the LoRA term from every comparison
             torch.nn.init.normal_(param, std=0.05)
