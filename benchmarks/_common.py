@@ -720,3 +720,93 @@ def run_finalize_steps(steps) -> None:
         except Exception:
             print(f"!! finalize step {name!r} failed:", flush=True)
             traceback.print_exc()
+
+
+# ---- profiler timeline: where the GPU waits ----------------------------------------------------------------------
+
+# CUDA runtime calls that block the host until the device has caught up.
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ")
+
+
+def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _phase(stack: list[str]) -> str:
+    if any(name.startswith("Optimizer.") for name in stack):
+        return "optimizer"
+    if any(name.startswith("autograd::engine") or "Backward" in name for name in stack):
+        return "backward"
+    return "forward"
+
+
+def timeline_lines(events, min_gap_us: float = 5.0, top: int = 15) -> list[str]:
+    """Where the GPU idles during a profiled region (``torch.profiler`` events): step span, GPU busy time, idle time
+    per phase (forward / backward / optimizer), the host operators running when each idle gap ended (the launch the
+    GPU was waiting for) ranked by idle time, and every host sync call.
+
+    A gap ends when the host launches the next kernel, so the operator on the host at that moment is the one the
+    device waited for: ranking those by summed gap time shows which host work bounds a host-bound step.
+    """
+    from torch.autograd import DeviceType
+
+    gpu, cpu = [], []
+    for evt in events:
+        rng = (evt.time_range.start, evt.time_range.end)
+        if evt.device_type == DeviceType.CUDA:
+            gpu.append(rng)
+        elif evt.device_type == DeviceType.CPU:
+            cpu.append((rng[0], rng[1], evt.name))
+    if not gpu or not cpu:
+        return ["(no GPU or host events recorded)"]
+    busy = _merge(gpu)
+    span_start = min(c[0] for c in cpu)
+    span_end = max(max(c[1] for c in cpu), busy[-1][1])
+    busy_us = sum(b - a for a, b in busy)
+    gaps = [(span_start, busy[0][0])] + [(busy[i][1], busy[i + 1][0]) for i in range(len(busy) - 1)]
+    gaps = [(a, b) for a, b in gaps if b - a >= min_gap_us]
+    cpu.sort()
+    starts = [c[0] for c in cpu]
+    import bisect
+
+    by_stack: dict[str, list[float]] = {}
+    by_phase: dict[str, float] = {}
+    for a, b in gaps:
+        t = b - 0.5  # just before the kernel that ended the gap started
+        hi = bisect.bisect_right(starts, t)
+        stack = [c[2] for c in cpu[max(0, hi - 4000):hi] if c[1] >= t]
+        ops = [n for n in stack if not n.startswith("cuda") and not n.startswith("cu")]
+        key = " > ".join(ops[-3:]) or "(host idle or outside an operator)"
+        entry = by_stack.setdefault(key, [0.0, 0])
+        entry[0] += b - a
+        entry[1] += 1
+        phase = _phase(stack)
+        by_phase[phase] = by_phase.get(phase, 0.0) + (b - a)
+    span = span_end - span_start
+    lines = [
+        f"timeline: span {span / 1e3:.2f} ms, GPU busy {busy_us / 1e3:.2f} ms ({100 * busy_us / span:.0f} %), "
+        f"idle gaps >= {min_gap_us:g} us: {len(gaps)} totalling {sum(b - a for a, b in gaps) / 1e3:.2f} ms",
+        "idle by phase (ms): " + ", ".join(f"{k} {v / 1e3:.2f}" for k, v in sorted(by_phase.items())),
+        f"top {top} host operator stacks at the end of idle gaps (summed idle ms, gaps):",
+    ]
+    for key, (us, n) in sorted(by_stack.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {us / 1e3:8.3f} ms  {n:5d}  {key[:150]}")
+    syncs: dict[str, list[float]] = {}
+    for start, end, name in cpu:
+        if name.startswith(SYNC_CALLS):
+            hi = bisect.bisect_right(starts, start)
+            parents = [c[2] for c in cpu[max(0, hi - 4000):hi] if c[1] >= end and not c[2].startswith("cuda")]
+            key = f"{name} in {' > '.join(parents[-2:]) or '(top level)'}"
+            entry = syncs.setdefault(key, [0.0, 0])
+            entry[0] += end - start
+            entry[1] += 1
+    lines.append(f"host syncs: {sum(v[1] for v in syncs.values())}")
+    for key, (us, n) in sorted(syncs.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {us / 1e3:8.3f} ms  {n:5d}  {key[:150]}")
+    return lines

@@ -336,7 +336,7 @@ def round_rates(row: Optional[dict]) -> list[Optional[float]]:
 
 def run_profile(model, provider: str, batch: int, ckpt: bool, args, device: torch.device, vocab: int,
                 out: Path) -> Path:
-    """One profiled training step (after one warm-up step); writes the top-20 kernels by GPU time."""
+    """One profiled training step (after one warm-up step); writes where the GPU idled and the top-20 kernels."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -363,6 +363,7 @@ def run_profile(model, provider: str, batch: int, ckpt: bool, args, device: torc
     tag = f"{provider}_b{batch}_ckpt-{'on' if ckpt else 'off'}"
     lines = [f"# {line}" for line in C.header_lines(C.env_info(device))]
     lines.append(f"# profile of one training step: {tag}, seq {args.seq}; GPU kernel time {total_us / 1e3:.2f} ms")
+    lines += C.timeline_lines(prof.events())
     if rows:
         lines.append(C.format_table(rows, ["rank", "kernel", "calls", "total_ms", "pct_gpu_time"],
                                     "top-20 CUDA kernels by total GPU time"))  # fmt: skip
@@ -501,7 +502,7 @@ def finalize(rows, gen_rows, out, env, log=None, gen_log=None) -> None:
 UNSLOTH_SCRIPT = Path(__file__).with_name("unsloth_step.py")
 # Options the parent sets for each child (option -> takes a value).
 _CHILD_OPTIONS = {"--providers": True, "--gen-providers": True, "--out": True, "--model-dir": True,
-                  "--keep-model": False, "--no-gen": False, "--in-process": False}  # fmt: skip
+                  "--keep-model": False, "--no-gen": False, "--in-process": False, "--profile": True}  # fmt: skip
 
 
 def child_argv(argv: list[str]) -> list[str]:
@@ -519,10 +520,11 @@ def child_argv(argv: list[str]) -> list[str]:
     return kept
 
 
-def run_child(provider: str, argv: list[str], out: Path, model_dir: Path, generate: bool) -> None:
+def run_child(provider: str, argv: list[str], out: Path, model_dir: Path, generate: bool, profile: bool) -> None:
     cmd = [sys.executable, str(Path(__file__).resolve()), *child_argv(argv), "--in-process", "--providers", provider,
            "--out", str(out), "--model-dir", str(model_dir), "--keep-model"]  # fmt: skip
     cmd += ["--gen-providers", provider] if generate else ["--no-gen"]
+    cmd += ["--profile", provider] if profile else []
     print(f"\n== {provider}: its own process ==", flush=True)
     subprocess.run(cmd, check=False)
 
@@ -563,7 +565,8 @@ def _rows_if_any(path: Path) -> list[dict]:
     return C.read_csv(path) if path.exists() else []
 
 
-def run_isolated(args, argv: list[str], providers: list[str], gen_providers: list[str]) -> int:
+def run_isolated(args, argv: list[str], providers: list[str], gen_providers: list[str],
+                 profile: list[str]) -> int:  # fmt: skip
     """Each provider in its own process, one after the other; then the merged tables, targets and plots."""
     out: Path = args.out
     model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="fastlora-bench-model-"))
@@ -575,7 +578,7 @@ def run_isolated(args, argv: list[str], providers: list[str], gen_providers: lis
             if PROVIDERS[provider][1] == "unsloth":
                 child_rows, child_gen = run_unsloth(args, child_out, generate)
             else:
-                run_child(provider, argv, child_out, model_dir, generate)
+                run_child(provider, argv, child_out, model_dir, generate, provider in profile)
                 child_rows = _rows_if_any(child_out / "train_step.csv")
                 child_gen = _rows_if_any(child_out / "generation.csv")
             rows += child_rows
@@ -673,7 +676,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     providers = [p for p in PROVIDERS if p in providers or p in profile]
     if not args.in_process and len(providers) > 1:
         return run_isolated(args, list(sys.argv[1:] if argv is None else argv), providers,
-                            [p for p in gen_providers if p in providers])  # fmt: skip
+                            [p for p in gen_providers if p in providers], profile)  # fmt: skip
     if "unsloth-nf4" in providers:
         raise SystemExit("unsloth-nf4 runs only in its own process: leave out --in-process")
 

@@ -1,0 +1,263 @@
+"""Where the small-M kernel's time goes at M = 1: stripped-down GEMV kernels that each add one cost, timed like
+``tune_small_m.py`` (CUDA graph, weight copies that overflow the L2), next to the production kernel.
+
+Kernels (M = 1, bf16 x, fp32 output, no LoRA, no bias; split-K by fp32 atomics, which the production kernel cannot
+use because they are not deterministic):
+
+  stream     reads the packed weight as 32-bit words and the absmax codes, sums a bit of each: the memory system's
+             rate for this access pattern (the upper bound of any decode on top of it)
+  arith      stream + nibble extraction + a linear "code" (no lookup) + the scale decode + FMAs with x: everything
+             but the code-table lookup
+  lut        arith with the real code-table lookup (a gather per weight): the complete, correct nf4 GEMV
+  shfl       lut with the table in registers: lane L of each half-warp holds code[L % 16] and a warp shuffle
+             fetches entry q (the shuffle's 16-lane segments take q modulo 16, so the nibble needs no mask)
+  int8       int8 weights as 32-bit words, sign-extended bytes, FMAs, row scale
+
+The ``lut`` kernel is checked against the reference before it is timed. Results: ``probe_small_m.csv`` in --out.
+
+    python benchmarks/probe_small_m.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from pathlib import Path
+
+import _common as C
+import torch
+import triton
+import triton.language as tl
+
+from peft_fastlora.ops.kernels.jit import INV_127, decode_absmax
+
+SHAPES = [(14336, 4096), (4096, 14336), (4096, 4096)]  # (N, K)
+MODES = {"stream": 0, "arith": 1, "lut": 2, "shfl": 3}
+DEFAULT_VARIANTS = ("stream", "lut", "shfl")
+# (BLOCK_N, BLOCK_K, num_warps)
+TILES_4BIT = [(4, 512, 1), (8, 256, 1), (8, 512, 2), (16, 256, 2), (16, 512, 4), (8, 1024, 4), (32, 256, 4),
+              (4, 1024, 2), (16, 128, 1), (2, 1024, 1), (4, 1024, 1), (8, 512, 1), (2, 2048, 2), (4, 2048, 2),
+              (16, 512, 2), (8, 1024, 2)]  # fmt: skip
+TILES_INT8 = [(4, 256, 1), (8, 256, 2), (8, 512, 4), (16, 256, 4), (4, 512, 2), (16, 128, 2)]
+SPLITS = (1, 2, 4, 8, 16)
+
+
+@triton.jit
+def _probe_4bit(
+    x_ptr, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr, out_ptr,
+    N, words_per_row, blocks_per_row, words_per_split, n_words,
+    MODE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr, ATOMIC: tl.constexpr, MUL_RN: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    NB: tl.constexpr = BLOCK_K // 64  # absmax blocks (of 8 words) per tile
+    j = tl.arange(0, 8)
+    shifts = (j // 2) * 8 + (1 - j % 2) * 4  # element j of a little-endian word: even elements in high nibbles
+    word_in_tile = tl.arange(0, NB)[:, None] * 8 + tl.arange(0, 8)[None, :]  # (NB, 8)
+    x_in_tile = word_in_tile[:, :, None] * 8 + j[None, None, :]  # (NB, 8, 8)
+    w_start = pid_k * words_per_split
+    w_end = tl.minimum(w_start + words_per_split, n_words)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if MODE == 3:  # this lane's table entry, code[lane % 16]
+        lane = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [tl.zeros((1,), tl.int32)], dtype=tl.int32,
+                                         is_pure=True, pack=1)  # fmt: skip
+        entry = tl.reshape(tl.load(code_ptr + (lane & 15)).to(tl.int32, bitcast=True), (1, 1, 1, 1))
+    for w0 in range(w_start, w_end, BLOCK_K // 8):
+        words = tl.load(w_ptr + rows[:, None, None] * words_per_row + (w0 + word_in_tile)[None, :, :],
+                        mask=mask_n[:, None, None], other=0)  # fmt: skip
+        blk = rows[:, None] * blocks_per_row + (w0 // 8 + tl.arange(0, NB))[None, :]
+        raw = tl.load(absmax_ptr + blk, mask=mask_n[:, None], other=0)
+        if MODE == 0:
+            acc += tl.sum(tl.sum((words & 1).to(tl.float32), axis=2) + raw.to(tl.float32), axis=1)
+        else:
+            scale = decode_absmax(raw, blk, mask_n[:, None], nested_code_ptr, nested_absmax_ptr, offset_ptr, True,
+                                  NESTED_BLOCKSIZE, MUL_RN)  # fmt: skip
+            q = (words[:, :, :, None] >> shifts[None, None, None, :]) & 0xF  # (BLOCK_N, NB, 8, 8)
+            if MODE == 1:
+                v = q.to(tl.float32) * 0.125 - 0.9375
+            elif MODE == 2:
+                v = tl.load(code_ptr + q)
+            else:
+                nib = words[:, :, :, None] >> shifts[None, None, None, :]
+                v = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x101f, -1;", "=r,r,r", [entry, nib],
+                                              dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
+            if MODE == 3:  # x loaded 4-D: its load fixes a layout with each thread's 8 nibbles of a word in-thread
+                x4 = tl.load(x_ptr + w0 * 8 + x_in_tile[None, :, :, :]).to(tl.float32)
+                per_block = tl.sum(tl.sum(v * x4, axis=3), axis=2)  # (BLOCK_N, NB)
+            else:
+                x = tl.load(x_ptr + w0 * 8 + x_in_tile).to(tl.float32)
+                per_block = tl.sum(tl.sum(v * x[None, :, :, :], axis=3), axis=2)  # (BLOCK_N, NB)
+            acc += tl.sum(per_block * scale, axis=1)
+    if ATOMIC:
+        tl.atomic_add(out_ptr + offs_n, acc, mask=mask_n)
+    else:
+        tl.store(out_ptr + offs_n, acc, mask=mask_n)
+
+
+@triton.jit
+def _probe_int8(
+    x_ptr, w_ptr, scb_ptr, out_ptr, N, words_per_row, words_per_split, n_words,
+    ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    j = tl.arange(0, 4)
+    word_in_tile = tl.arange(0, BLOCK_K // 4)
+    w_start = pid_k * words_per_split
+    w_end = tl.minimum(w_start + words_per_split, n_words)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for w0 in range(w_start, w_end, BLOCK_K // 4):
+        words = tl.load(w_ptr + rows[:, None] * words_per_row + (w0 + word_in_tile)[None, :], mask=mask_n[:, None],
+                        other=0)  # fmt: skip
+        q = (words[:, :, None] << (24 - 8 * j)[None, None, :]) >> 24  # sign-extended bytes, (BLOCK_N, BK/4, 4)
+        x = tl.load(x_ptr + (w0 + word_in_tile)[:, None] * 4 + j[None, :]).to(tl.float32)
+        acc += tl.sum(tl.sum(q.to(tl.float32) * x[None, :, :], axis=2), axis=1)
+    acc = acc * tl.load(scb_ptr + offs_n, mask=mask_n, other=0.0) * INV_127
+    if ATOMIC:
+        tl.atomic_add(out_ptr + offs_n, acc, mask=mask_n)
+    else:
+        tl.store(out_ptr + offs_n, acc, mask=mask_n)
+
+
+def launch_4bit(x, weight, out, mode, split, tile):
+    block_n, block_k, warps = tile
+    n, k = weight.shape
+    n_words = k // 8
+    words_per_split = C.cdiv(C.cdiv(n_words, block_k // 8), split) * (block_k // 8)
+    grid = (C.cdiv(n, block_n), C.cdiv(n_words, words_per_split))
+    words = weight.data.reshape(-1).view(torch.uint8).view(torch.int32)
+    _probe_4bit[grid](x, words, weight.absmax, weight.nested_code, weight.nested_absmax, weight.offset, weight.code,
+                      out, n, n_words, k // 64, words_per_split, n_words, MODE=mode,
+                      NESTED_BLOCKSIZE=weight.nested_blocksize, ATOMIC=grid[1] > 1, MUL_RN=x.is_cuda,
+                      BLOCK_N=block_n, BLOCK_K=block_k,
+                      num_warps=warps, num_stages=1)  # fmt: skip
+
+
+def launch_int8(x, weight, out, split, tile):
+    block_n, block_k, warps = tile
+    n, k = weight.shape
+    n_words = k // 4
+    words_per_split = C.cdiv(C.cdiv(n_words, block_k // 4), split) * (block_k // 4)
+    grid = (C.cdiv(n, block_n), C.cdiv(n_words, words_per_split))
+    _probe_int8[grid](x, weight.cb.view(torch.int32), weight.scb, out, n, n_words, words_per_split, n_words,
+                      ATOMIC=grid[1] > 1, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=1)  # fmt: skip
+
+
+def timed(fn_for_copy, copies: int, zero: list) -> float:
+    def make(i):
+        def call():
+            if zero[i] is not None:
+                zero[i].zero_()
+            fn_for_copy(i)
+
+        return call
+
+    return C.graph_time_us([make(i) for i in range(copies)])
+
+
+def measure_kind(kind: str, wq, w: torch.Tensor, x: torch.Tensor, ref: torch.Tensor, copy_gbs: float, l2_mb: float,
+                 rows: list[dict], start: float, variants: list[str]) -> None:  # fmt: skip
+    """Times the production kernel and every probe variant of one weight kind and shape; appends rows."""
+    from peft_fastlora.ops.kernels.small_m import pick_config, small_m_linear_tiled, weight_kind
+
+    device = x.device
+    n, k = wq.shape
+    nbytes = C.weight_bytes(wq)
+    copies = C.copies_for(nbytes, l2_mb)
+    requantize = (lambda: C.quantize_nf4(w)[0]) if kind == "nf4" else (lambda: C.quantize_int8(w)[0])
+    clones = [wq] + [requantize() for _ in range(copies - 1)]
+    outs = [torch.zeros(n, device=device, dtype=torch.float32) for _ in range(copies)]
+
+    def record(variant, tile, split, us, err=None):
+        gbs = nbytes / (us * 1e-6) / 1e9
+        rows.append(dict(kind=kind, shape=f"{n}x{k}", variant=variant, tile=str(tile), split=split, us=round(us, 2),
+                         GBps=round(gbs), pct_copy=round(100 * gbs / copy_gbs, 1), rel_err=err))  # fmt: skip
+
+    # the production kernel with its tuned tiling, without and with an r=16 LoRA term
+    config = pick_config(1, n, k, device, weight_kind(wq))
+    a = torch.randn(16, k, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, 16, device=device, dtype=torch.bfloat16)
+    for lora in ((None, None, None), (x, a, b)):
+        calls = [lambda c=c, lora=lora: small_m_linear_tiled(x, c, None, *lora, 2.0, config) for c in clones]
+        us = C.graph_time_us(calls)
+        record("production+lora" if lora[0] is not None else "production", config.to_json(), config.split_k, us)
+
+    def launch(weight, out, variant, split, tile):
+        if kind == "nf4":
+            launch_4bit(x, weight, out, MODES[variant], split, tile)
+        else:
+            launch_int8(x, weight, out, split, tile)
+
+    variants = variants if kind == "nf4" else ["int8"]
+    for variant, tile in itertools.product(variants, TILES_4BIT if kind == "nf4" else TILES_INT8):
+        best = None
+        for split in SPLITS:
+            try:
+                err = None
+                if variant in ("lut", "shfl", "int8"):  # correctness first
+                    out = torch.zeros(n, device=device)
+                    launch(wq, out, variant, split, tile)
+                    err = ((out - ref).abs().max() / ref.abs().max()).item()
+                    if not err <= 1e-3:
+                        record(variant, tile, split, float("nan"), err)
+                        continue
+                zero = outs if split > 1 else [None] * copies
+                us = timed(lambda i, s=split, v=variant, t=tile: launch(clones[i], outs[i], v, s, t), copies, zero)
+            except Exception as e:  # a tile that does not compile or fit
+                print(f"  {kind} {variant} {tile} split {split}: {C.short_error(e)}", flush=True)
+                break
+            record(variant, tile, split, us, err)
+            best = us if best is None else min(best, us)
+        print(f"  {kind} {n}x{k} {variant:7s} {tile}: best {best} us [t={time.monotonic() - start:.0f}s]", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--l2-mb", type=float, default=50.0)
+    p.add_argument("--shapes", default=None, help="NxK list")
+    p.add_argument("--kinds", default="nf4,int8", help="nf4,int8")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"nf4 variants, of {list(MODES)}")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    env = C.env_info(device)
+    C.print_header("small-M probe (M = 1)", env)
+    copy_gbs = C.copy_bandwidth_gbps(device)
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s (read + write)", flush=True)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
+    from peft_fastlora.ops import dequantize
+
+    rows: list[dict] = []
+    start = time.monotonic()
+    for n, k in shapes:
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        for kind, quantize in (("nf4", C.quantize_nf4), ("int8", C.quantize_int8)):
+            if kind not in args.kinds.split(","):
+                continue
+            wq = quantize(w)[0]
+            ref = (x.float() @ dequantize(wq, torch.float32).T).reshape(-1)
+            measure_kind(kind, wq, w, x, ref, copy_gbs, args.l2_mb, rows, start, args.variants.split(","))
+            torch.cuda.empty_cache()
+    cols = ["kind", "shape", "variant", "tile", "split", "us", "GBps", "pct_copy", "rel_err"]
+    C.CsvLog(args.out / "probe_small_m.csv", cols, env).rewrite(rows)
+    for kind, shape, variant in sorted({(r["kind"], r["shape"], r["variant"]) for r in rows}):
+        ok = [r for r in rows if (r["kind"], r["shape"], r["variant"]) == (kind, shape, variant) and r["us"] == r["us"]]
+        if ok:
+            r = min(ok, key=lambda r: r["us"])
+            print(f"BEST {kind} {shape} {variant:16s} {r['us']:7.2f} us {r['GBps']:5d} GB/s {r['pct_copy']:5.1f} % "
+                  f"tile {r['tile']} split {r['split']}", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
