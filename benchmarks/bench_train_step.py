@@ -81,27 +81,31 @@ PROVIDERS = {
     "fastpath-nf4": ("nf4", "fastpath"),
     "fastlora-liger-nf4": ("nf4", "fastpath-liger-only"),
     "fastlora-compiled-nf4": ("nf4", "fastpath-compile-only"),
+    "fastpath-lossonly-nf4": ("nf4", "fastpath-loss-only"),
     # Unsloth's own QLoRA step (benchmarks/unsloth_step.py), always in its own process; its checkpointing row uses
     # Unsloth's offloading mode ("unsloth").
     "unsloth-nf4": ("nf4", "unsloth"),
 }
 # What runs without --providers: everything but the fast path's halves and Unsloth (which needs its own install).
-DEFAULT_PROVIDERS = [p for p in PROVIDERS if p not in ("fastlora-liger-nf4", "fastlora-compiled-nf4", "unsloth-nf4")]
+DEFAULT_PROVIDERS = [p for p in PROVIDERS if p not in ("fastlora-liger-nf4", "fastlora-compiled-nf4",
+                                                       "fastpath-lossonly-nf4", "unsloth-nf4")]  # fmt: skip
 # enable_fast_path options per fast-path tuner; activation offload applies only to the checkpointed rows.
 FAST_PATH_OPTIONS = {
     "fastpath": dict(liger="auto", compile_blocks=False, offload_activations=True),
     "fastpath-liger-only": dict(liger=True, compile_blocks=False, offload_activations=False),
     "fastpath-compile-only": dict(liger=False, compile_blocks=True, offload_activations=False),
+    "fastpath-loss-only": dict(liger=["fused_linear_cross_entropy"], compile_blocks=False, offload_activations=True),
 }
 PEFT_TWIN = {"fastlora-nf4": "peft-bnb-nf4", "fastlora-nf4-dq": "peft-bnb-nf4-dq", "fastlora-int8": "peft-bnb-int8",
              "fastpath-nf4": "peft-bnb-nf4", "fastlora-liger-nf4": "peft-bnb-nf4",
-             "fastlora-compiled-nf4": "peft-bnb-nf4", "unsloth-nf4": "peft-bnb-nf4"}  # fmt: skip
+             "fastlora-compiled-nf4": "peft-bnb-nf4", "fastpath-lossonly-nf4": "peft-bnb-nf4",
+             "unsloth-nf4": "peft-bnb-nf4"}  # fmt: skip
 COLORS = {p: f"C{i}" for i, p in enumerate(PROVIDERS)}
 GEN_PROVIDERS = ["bf16-lora", "peft-bnb-nf4", "fastlora-nf4", "peft-bnb-int8", "fastlora-int8"]
 
 TRAIN_COLUMNS = [
     "provider", "quant", "tuner", "batch", "seq", "ckpt", "adapter_dtype", "fastlora_layers", "warmup_steps", "steps",
-    "median_step_ms", "tokens_per_s", "ratio_to_bf16", "ratio_to_peft_bnb", "ratio_to_unsloth", "peak_GiB",
+    "median_step_ms", "host_ms", "tokens_per_s", "ratio_to_bf16", "ratio_to_peft_bnb", "ratio_to_unsloth", "peak_GiB",
     "peak_vs_peft_bnb", "peak_vs_unsloth", "resident_GiB", "loss", "load_s",
     "status", "error",
 ]  # fmt: skip
@@ -253,23 +257,27 @@ def run_training(model, batch: int, ckpt: bool, args, device: torch.device, voca
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    times, loss = [], None
+    times, host, loss = [], [], None
     try:
         for i in range(args.warmup_steps + args.steps):
             C.sync(device)
             start = time.perf_counter()
             loss = train_step(model, optimizer, ids, device)
+            queued = time.perf_counter()
             C.sync(device)
             if i >= args.warmup_steps:
                 times.append(time.perf_counter() - start)
+                host.append(queued - start)
             progress.update(1)
     finally:
         optimizer.zero_grad(set_to_none=True)
         del optimizer
     step_s = statistics.median(times)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return dict(median_step_ms=step_s * 1e3, tokens_per_s=batch * args.seq / step_s, peak_GiB=peak,
-                loss=float(loss))  # fmt: skip
+    # host_ms: until the step's last launch was queued (syncs inside the step included); close to median_step_ms
+    # means the host, not the GPU, set the pace.
+    return dict(median_step_ms=step_s * 1e3, host_ms=statistics.median(host) * 1e3,
+                tokens_per_s=batch * args.seq / step_s, peak_GiB=peak, loss=float(loss))  # fmt: skip
 
 
 def prepare_generation(model, args, device: torch.device, vocab: int) -> Callable[[], int]:
@@ -447,9 +455,9 @@ def train_targets(rows: list[dict], gen_rows: list[dict]) -> list[C.Check]:
 def print_tables(rows: list[dict], gen_rows: list[dict]) -> None:
     if rows:
         C.print_table(sorted(rows, key=lambda r: (r["batch"], r["ckpt"])),
-                      ["batch", "ckpt", "provider", "adapter_dtype", "median_step_ms", "tokens_per_s", "ratio_to_bf16",
-                       "ratio_to_peft_bnb", "ratio_to_unsloth", "peak_GiB", "peak_vs_peft_bnb", "peak_vs_unsloth",
-                       "loss", "status"],
+                      ["batch", "ckpt", "provider", "adapter_dtype", "median_step_ms", "host_ms", "tokens_per_s",
+                       "ratio_to_bf16", "ratio_to_peft_bnb", "ratio_to_unsloth", "peak_GiB", "peak_vs_peft_bnb",
+                       "peak_vs_unsloth", "loss", "status"],
                       "== training step (ratios: this run only) ==")
     if gen_rows:
         C.print_table(gen_rows, ["provider", "new_tokens", "repeats", "tokens_per_s", "tokens_per_s_min",

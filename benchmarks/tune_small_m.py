@@ -83,15 +83,19 @@ RANK, SCALING = 16, 2.0  # lora_alpha = 2 r
 JSON_NAME = "small_m_configs.json"
 
 # Candidate grid. A program holds a (BLOCK_N, BLOCK_K) weight tile (and prefetches the next): 16-64 elements per
-# thread keeps registers low enough for several programs per SM, which is what keeps bytes in flight.
-FMA_BLOCK_N, FMA_BLOCK_K = (8, 16, 32, 64), (256, 512, 1024)
+# thread keeps registers low enough for several programs per SM, which is what keeps bytes in flight. The M=1 FMA
+# path decodes whole 32-bit words (8 weights) per thread and needs no per-weight registers beyond them: 32-128
+# elements per thread and single-warp programs are in its range (the probe's best tile was 8 x 512 on one warp).
+FMA_BLOCK_N, FMA_BLOCK_K = (4, 8, 16, 32), (256, 512, 1024)
 DOT_BLOCK_N, DOT_BLOCK_K = (16, 32, 64, 128), (64, 128, 256, 512)
 WARPS = (2, 4, 8)
+FMA_WARPS = (1, 2, 4)
 SPLITS = (1, 2, 4, 8, 16)
 ELEMS_PER_THREAD = (16, 64)
+FMA_ELEMS_PER_THREAD = (32, 128)
 WARPS_PER_SM_TARGET = 24  # split_k aims at 24 / num_warps programs per SM (the heuristic: 6 at 4 warps) ...
 SPLIT_WINDOW = 2.0  # ... and keeps split_k values within 2**2 of it
-SPLITS_KEPT = {"fma": 3, "dot": 2, "dot-m1": 1, "fma-unfactored": 1}
+SPLITS_KEPT = {"fma": 2, "dot": 2, "dot-m1": 1, "fma-unfactored": 1}
 TOP = 4  # pass 2 tries the TOP best tilings of M=16
 
 TOLERANCE = 2.0**-5  # max |fused - reference| / max |reference|; bf16 roundings are ~2**-8, a wrong tiling O(1)
@@ -133,14 +137,20 @@ def make_tiling(k: int, use_dot: bool, block_n: int, block_k: int, split_k: int 
     return SmallMConfig(bool(use_dot), block_n, block_k, split, num_warps, num_stages, **extra)
 
 
+def elems_per_thread(use_dot: bool) -> tuple[int, int]:
+    """The (lowest, highest) weight elements per thread of a candidate tile."""
+    return ELEMS_PER_THREAD if use_dot else FMA_ELEMS_PER_THREAD
+
+
 def tile_grid(use_dot: bool, warps=WARPS) -> list[tuple[int, int, int]]:
     """(block_n, block_k, num_warps) with 16-64 weight elements per thread; for tensor cores also BLOCK_N >= 16 and
     at most BLOCK_N / 4 warps (more would only duplicate the (BLOCK_N, 16) MMA)."""
     block_ns, block_ks = (DOT_BLOCK_N, DOT_BLOCK_K) if use_dot else (FMA_BLOCK_N, FMA_BLOCK_K)
+    low, high = elems_per_thread(use_dot)
     tiles = []
     for bn, bk, nw in itertools.product(block_ns, block_ks, warps):
         per_thread = bn * bk // (32 * nw)
-        if ELEMS_PER_THREAD[0] <= per_thread <= ELEMS_PER_THREAD[1] and (not use_dot or nw <= bn // 4):
+        if low <= per_thread <= high and (not use_dot or nw <= bn // 4):
             tiles.append((bn, bk, nw))
     return tiles
 
@@ -163,7 +173,7 @@ def split_candidates(m: int, n: int, k: int, use_dot: bool, block_n: int, block_
 def candidate_grid(m: int, n: int, k: int, sms: int, unfactored: bool = False) -> list[Tiling]:
     """Pass-1 candidates for ``m`` rows: M=1: FMA tilings plus tensor-core tiles at 4 warps (and with
     ``unfactored``, FMA tiles at 4 warps with ``factor_scales=False``); M>1: tensor-core tilings."""
-    groups = [("fma", False, WARPS, None), ("dot-m1", True, (4,), None)] if m == 1 else [("dot", True, WARPS, None)]
+    groups = [("fma", False, FMA_WARPS, None), ("dot-m1", True, (4,), None)] if m == 1 else [("dot", True, WARPS, None)]
     if m == 1 and unfactored:
         groups.append(("fma-unfactored", False, (4,), False))
     grid = []

@@ -23,6 +23,7 @@ import functools
 import inspect
 import logging
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import MethodType
 from typing import Any, Optional, Union
@@ -65,10 +66,14 @@ class FastPathReport:
         return text + "".join(f"; {note}" for note in self.notes)
 
 
+# The Liger-Kernel kernels the fast path knows, by the keyword of Liger's ``apply_liger_kernel_to_*`` functions.
+LIGER_KERNELS = ("fused_linear_cross_entropy", "rope", "rms_norm", "swiglu", "geglu")
+
+
 def enable_fast_path(
     model: nn.Module,
     *,
-    liger: Union[bool, str] = "auto",
+    liger: Union[bool, str, Sequence[str]] = "auto",
     compile_blocks: bool = False,
     offload_activations: bool = False,
     compile_options: Optional[dict[str, Any]] = None,
@@ -78,8 +83,11 @@ def enable_fast_path(
 
     Args:
         model (`nn.Module`): A transformers causal LM, or a `PeftModel` wrapping one.
-        liger (`bool` or `"auto"`, defaults to `"auto"`): Use Liger-Kernel. `"auto"`: if it is installed and supports
-            the architecture, else one warning saying why and the step runs without it. `True`: raise instead.
+        liger (`bool`, `"auto"` or a sequence of kernel names, defaults to `"auto"`): Use Liger-Kernel. `"auto"`: if it
+            is installed and supports the architecture, else one warning saying why and the step runs without it.
+            `True`: raise instead. A sequence (names from ``LIGER_KERNELS``, e.g. ``["fused_linear_cross_entropy"]``):
+            only those kernels, raising like `True` (at batch 1 the loss alone can be the faster choice: each Liger
+            kernel launch costs host time, see docs/fast-path.md).
         compile_blocks (`bool`, defaults to `False`): ``torch.compile`` each decoder block for training (evaluation and
             generation stay eager). Off by default: on an H100 (Llama-3-8B-shaped, seq 2048) compiled blocks measured
             0.80x the eager Liger step at batch 1 and 0.99x at batch 4 (docs/fast-path.md).
@@ -91,6 +99,10 @@ def enable_fast_path(
     Returns:
         [`FastPathReport`]: What was applied, also logged at INFO level.
     """
+    only = None
+    if not isinstance(liger, (bool, str)):
+        only = _check_kernel_names(liger)
+        liger = True
     _check_choice("liger", liger, (True, False, "auto"))
     _check_choice("compile_blocks", compile_blocks, (True, False))
     _check_choice("offload_activations", offload_activations, (True, False))
@@ -104,13 +116,24 @@ def enable_fast_path(
                          f"(looked for its `_no_split_modules` classes: {hf_model._no_split_modules}).")  # fmt: skip
     if liger:
         report.liger_kernels = _apply_liger(hf_model, model_type, strict=liger is True, compiled=compile_now,
-                                            notes=report.notes)  # fmt: skip
+                                            notes=report.notes, only=only)  # fmt: skip
     if compile_now:
         report.compiled_blocks = _compile_blocks(blocks, compile_options or {})
     if offload_activations:
         report.offload_activations = _enable_offload(hf_model, blocks, report.notes)
     logger.info(report.summary())
     return report
+
+
+def _check_kernel_names(names) -> frozenset:
+    try:
+        chosen = frozenset(names)
+    except TypeError:
+        chosen = None
+    if not chosen or any(not isinstance(n, str) or n not in LIGER_KERNELS for n in chosen):
+        raise ValueError(f"`liger` must be True, False, 'auto' or a non-empty sequence of kernel names from "
+                         f"{list(LIGER_KERNELS)}, got {names!r}.")  # fmt: skip
+    return chosen
 
 
 def _check_choice(name: str, value, allowed: tuple) -> None:
@@ -152,7 +175,8 @@ def liger_available() -> bool:
     return True
 
 
-def _apply_liger(hf_model, model_type: str, *, strict: bool, compiled: bool, notes: list[str]) -> list[str]:
+def _apply_liger(hf_model, model_type: str, *, strict: bool, compiled: bool, notes: list[str],
+                 only: Optional[frozenset] = None) -> list[str]:  # fmt: skip
     def refuse(message: str) -> list[str]:
         if strict:
             raise RuntimeError(message)
@@ -171,6 +195,11 @@ def _apply_liger(hf_model, model_type: str, *, strict: bool, compiled: bool, not
     # Compiled blocks: inductor fuses these itself, and Liger's SwiGLU kernel does not compile (see module docstring).
     for name in ("rope", "rms_norm", "swiglu", "geglu"):
         kernels[name] = not compiled
+    if only is not None:
+        if compiled and only - {"fused_linear_cross_entropy"}:
+            notes.append("compiled blocks: Liger's " + ", ".join(sorted(only - {"fused_linear_cross_entropy"}))
+                         + " not applied (inductor fuses them)")  # fmt: skip
+        kernels = {name: on and name in only for name, on in kernels.items()}
     head = hf_model.get_output_embeddings() if hasattr(hf_model, "get_output_embeddings") else None
     if head is not None and type(head) is not nn.Linear:
         # The fused loss reads lm_head.weight directly: a LoRA (or any wrapped) head would lose its adapter.

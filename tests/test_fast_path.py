@@ -143,6 +143,24 @@ def test_liger_keeps_only_the_loss_when_blocks_compile(tiny_llama_path, fake_lig
     assert report.liger_kernels == ["fused_linear_cross_entropy"]
 
 
+def test_liger_applies_only_the_kernels_named(tiny_llama_path, fake_liger):
+    model = fastlora_model(tiny_llama_path)
+    report = peft_fastlora.enable_fast_path(model, liger=["fused_linear_cross_entropy", "rms_norm"])
+    (call,) = fake_liger
+    assert call["fused_linear_cross_entropy"] and call["rms_norm"] and not (call["rope"] or call["swiglu"])
+    assert sorted(report.liger_kernels) == ["fused_linear_cross_entropy", "rms_norm"]
+
+
+def test_liger_kernel_names_are_checked_and_strict(tiny_llama_path, fake_liger, monkeypatch):
+    model = fastlora_model(tiny_llama_path)
+    for bad in (["rmsnorm"], [], [3]):
+        with pytest.raises(ValueError, match=r"`liger` must be .* kernel names from .*rms_norm"):
+            peft_fastlora.enable_fast_path(model, liger=bad)
+    monkeypatch.setattr(fast_path, "liger_available", lambda: False)
+    with pytest.raises(RuntimeError, match="not installed"):  # naming kernels asks for them: no silent fallback
+        peft_fastlora.enable_fast_path(model, liger=("fused_linear_cross_entropy",))
+
+
 def test_lora_on_lm_head_turns_the_fused_loss_off(tiny_llama_path, fake_liger):
     model = fastlora_model(tiny_llama_path, target_modules=["q_proj", "lm_head"])
     report = peft_fastlora.enable_fast_path(model)

@@ -95,7 +95,8 @@ def test_grid_is_pruned_and_valid(n, k, m):
     for t in grid:
         assert is_pow2(t.block_n) and is_pow2(t.block_k) and is_pow2(t.num_warps) and 16 <= t.block_k <= k
         per_thread = t.block_n * t.block_k // (32 * t.num_warps)
-        assert T.ELEMS_PER_THREAD[0] <= per_thread <= T.ELEMS_PER_THREAD[1], t
+        low, high = T.elems_per_thread(t.use_dot)
+        assert low <= per_thread <= high, t
         assert t.split_k == T.effective_split_k(k, t.block_k, t.split_k), t
         assert t.num_stages == 1
         if t.use_dot:
@@ -110,7 +111,7 @@ def test_grid_is_pruned_and_valid(n, k, m):
 def test_compiled_variants_stay_few():
     """Triton compiles one binary per tiling (split_k included): the pass-1 grid over the default shapes is bounded."""
     distinct = {t for n, k in T.SHAPES for m in (1, 16) for t in T.candidate_grid(m, n, k, SMS, unfactored=True)}
-    assert len(distinct) <= 170
+    assert len(distinct) <= 180  # ~1 s of compile each, on the workers, within the 240 s budget
 
 
 def test_splits_aim_at_the_target_program_count():

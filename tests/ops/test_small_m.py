@@ -13,6 +13,7 @@ Two checks per result:
   rounds once and that W is rounded to ``x.dtype`` exactly as the reference does.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -175,6 +176,8 @@ TILINGS = [
     ("int8", 1, SmallMConfig(use_dot=False, block_n=16, block_k=128, split_k=2)),
     # M = 1 over rows of whole blocks: scales factored out (the default) or applied per weight, split in 2
     ("nf4-64-nested", 1, SmallMConfig(use_dot=False, block_n=8, block_k=64, split_k=2)),
+    # ... factored with blocksize > BLOCK_K (one sub-block per tile), 3 splits, last one shorter
+    ("nf4-128-nested", 1, SmallMConfig(use_dot=False, block_n=16, block_k=64, split_k=3)),
     ("nf4-64-nested", 1, SmallMConfig(use_dot=False, block_n=8, block_k=128, split_k=1, factor_scales=False)),
     ("fp4-64", 1, SmallMConfig(use_dot=False, block_n=16, block_k=32)),
 ]
@@ -224,6 +227,23 @@ def test_xa_chunking_never_needs_more_programs_than_there_are():
             block, chunk, n_chunks = xa_chunking(k, programs)
             assert chunk % block == 0 and n_chunks * chunk >= k > (n_chunks - 1) * chunk
             assert n_chunks <= min(programs, XA_MAX_CHUNKS), (k, programs, n_chunks)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", [TOLERANCES[0], TOLERANCES[2]], ids=str)
+def test_factored_path_falls_back_when_codes_are_not_word_aligned(dtype, atol, rtol):
+    """The factored M = 1 path reads the codes as int32 words; codes starting at an odd byte take the per-weight path
+    (the same bits as asking for it), never a misaligned word load."""
+    weight = make_weight("nf4-64-nested", N, K)
+    storage = torch.zeros(weight.data.numel() + 1, dtype=torch.uint8, device=DEVICE)
+    storage[1:].copy_(weight.data.reshape(-1).view(torch.uint8))
+    shifted = dataclasses.replace(weight, data=storage[1:])
+    assert shifted.data.data_ptr() % 4 == 1
+    config = SmallMConfig(use_dot=False, block_n=8, block_k=64, split_k=2)
+    x, bias, a, b, lx = inputs((1,), N, K, dtype)
+    y = small_m_linear_tiled(x, shifted, bias, lx, a, b, 0.5, config)
+    per_weight = dataclasses.replace(config, factor_scales=False)
+    assert torch.equal(y, small_m_linear_tiled(x, weight, bias, lx, a, b, 0.5, per_weight))
+    check(y, x, weight, bias, a, b, 0.5, lx, atol, rtol, factored_scales=False)
 
 
 def test_no_rows_and_strided_rows():

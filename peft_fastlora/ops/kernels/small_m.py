@@ -7,7 +7,8 @@ output and the kernel's workspaces and launches once. [`small_m_linear_tiled`] r
 
 Caching (all keyed by everything they read): ``pick_config`` by (rows, shape, device, kind); ``small_m_grid`` by
 (rows, shape, tiling, rank), pure arithmetic; ``small_m_limit`` by (device, kind, shape); the weight's pointer
-arguments on the container (``quant_state.memo``) by ``block_k``; the SM count by device index.
+arguments (and its int32-word view) on the container (``quant_state.memo``) by ``block_k``; the SM count by device
+index.
 """
 
 from __future__ import annotations
@@ -159,6 +160,18 @@ def _weight_args(weight: QuantizedWeight, block_k: int) -> tuple[tuple, tuple]:
     return pointers, (kind.value, bs, weight.nested, nested_bs, min(bs, block_k))
 
 
+def _words_args(weight: QuantizedWeight, block_k: int) -> tuple:
+    """The FACTOR_SCALES path's ``(w_ptr, stride_wn)``: the packed 4-bit weight as int32 words (8 elements) and words
+    per row; ``()`` when it cannot be read that way (rows not whole absmax blocks, or codes not 4-byte aligned)."""
+    if isinstance(weight, Int8Rowwise):
+        return ()
+    k, bs = weight.shape[1], weight.blocksize
+    packed = packed_bytes(weight)
+    if k % bs or min(bs, block_k) % 8 or packed.data_ptr() % 4 or packed.numel() % 4:
+        return ()
+    return packed.view(torch.int32), k // 8
+
+
 # The kernel's parameters in order: the launcher builds its argument tuple positionally in this order (keyword
 # binding of 53 arguments cost ~6 us of host time per decode call), and this list is checked against the kernel's
 # signature here, at import, so that an edit of either one cannot silently shift arguments.
@@ -169,6 +182,7 @@ KERNEL_PARAMS = (
     "k_per_split", "n_chunks", "xa_chunk", "WEIGHT_KIND", "BLOCKSIZE", "NESTED", "NESTED_BLOCKSIZE", "SUB", "HAS_BIAS",
     "HAS_LORA", "USE_DOT", "DOT_FP32", "LORA_DOT_FP32", "BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_R", "SPLIT_K",
     "XA_BLOCK_K", "XA_MAX_CHUNKS", "XA_COPIES", "XA_COPY_STRIDE", "XA_POLLS", "INTERPRET", "FACTOR_SCALES", "MUL_RN",
+    "SHUFFLE_LUT",
 )  # fmt: skip
 assert KERNEL_PARAMS == tuple(inspect.signature(_fused_small_m_kernel.fn).parameters)
 
@@ -202,6 +216,12 @@ def small_m_linear_tiled(
     n_counters = plan.n_arrivals + plan.n_xa_counts
     counters = torch.zeros(n_counters, dtype=torch.int32, device=device) if n_counters else out
     w_args, w_meta = memo(weight, ("small_m", config.block_k), lambda: _weight_args(weight, config.block_k))
+    factor_scales = config.factor_scales and not config.use_dot and w_meta[0] == WEIGHT_4BIT_ALIGNED.value
+    if factor_scales:
+        words = memo(weight, ("small_m_words", config.block_k), lambda: _words_args(weight, config.block_k))
+        factor_scales = bool(words)
+        if factor_scales:
+            w_args = (words[0], *w_args[1:6], words[1])
     interpret = is_interpreted(_fused_small_m_kernel)
     require_launchable(_fused_small_m_kernel, device)
     lora = (lora_x2d, lora_a, lora_b) if has_lora else (out, out, out)
@@ -227,8 +247,9 @@ def small_m_linear_tiled(
         XA_MAX_CHUNKS, XA_COPIES, XA_COPY_STRIDE,
         0 if interpret else XA_POLLS,  # XA_POLLS: the interpreter runs programs one by one, a count stays incomplete
         interpret,  # INTERPRET
-        config.factor_scales and not config.use_dot and w_meta[0] == WEIGHT_4BIT_ALIGNED.value,  # FACTOR_SCALES
+        factor_scales,  # FACTOR_SCALES
         not interpret,  # MUL_RN
+        not interpret,  # SHUFFLE_LUT: inline PTX, compiled kernels only
     )  # fmt: skip
     assert len(args) == len(KERNEL_PARAMS)
     # fp fusion stays on (FMAs in the dot products): the only sums that must not fuse, in the nested-absmax decode,

@@ -28,7 +28,9 @@ Numerics follow ``reference.lora_linear_ref``: W is dequantized exactly as the d
 ``x.dtype`` before the multiply; sums are fp32 (in a different order than torch, hence the test tolerances). One
 exception, ``FACTOR_SCALES`` (M = 1, 4-bit rows of whole absmax blocks, the default there): each block's
 ``code * x`` products are summed first and scaled once, so W is never rounded to ``x.dtype`` (more accurate than the
-reference; the tests bound it against the fp32 W).
+reference; the tests bound it against the fp32 W). That path reads W as 32-bit words (8 weights) and, compiled,
+looks codes up with warp shuffles from a table held one entry per lane (``SHUFFLE_LUT``): about 4 instructions per
+weight instead of 9 with a gather from memory (docs/kernels.md has the measurements).
 
 The launcher, ``small_m.py``, chooses the tiling and builds the argument list.
 """
@@ -143,22 +145,79 @@ def _decode_weight_tile(
 
 
 @triton.jit
-def _load_x_pairs(x_row_ptr, k0, k_end, SUB: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One row's x[k0 : k0 + BLOCK_K] as (even, odd) elements of each sub-block: two (BLOCK_K / SUB, SUB / 2) tiles
-    laid out like the high / low nibbles of the packed bytes."""
-    sub_start = k0 + tl.arange(0, BLOCK_K // SUB) * SUB
-    even = sub_start[:, None] + 2 * tl.arange(0, SUB // 2)[None, :]
-    x_even = tl.load(x_row_ptr + even, mask=even < k_end, other=0.0)
-    x_odd = tl.load(x_row_ptr + even + 1, mask=even + 1 < k_end, other=0.0)
-    return x_even.to(tl.float32), x_odd.to(tl.float32)
+def _lane_code_entry(code_ptr):
+    """This lane's entry of the 16-value code table, ``code[lane % 16]``, as int32 bits in a (1, 1, 1, 1) tensor.
+
+    Every lane of a half-warp then holds one table entry, and a warp shuffle inside the half-warp reads entry ``q``
+    from lane ``q`` ([`_lookup_codes`]). (A one-element tensor is held, not shared, by every thread: each keeps
+    its own lane's value.)
+    """
+    lane = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [tl.zeros((1,), tl.int32)], dtype=tl.int32,
+                                     is_pure=True, pack=1)  # fmt: skip
+    return tl.reshape(tl.load(code_ptr + (lane & 15)).to(tl.int32, bitcast=True), (1, 1, 1, 1))
+
+
+@triton.jit
+def _lookup_codes(nibbles, lane_entry, code_ptr, SHUFFLE_LUT: tl.constexpr):
+    """fp32 ``code[nibbles & 15]`` (only the low 4 bits of ``nibbles`` count).
+
+    ``SHUFFLE_LUT`` (compiled kernels): a ``shfl.sync.idx`` per weight from the lanes' table entries; its 16-lane
+    segments (``c = 0x101f``) take the source lane modulo 16, so the nibble needs no mask and the address no
+    arithmetic: one instruction instead of the five of a gather (mask, 64-bit address, load). Otherwise (the
+    interpreter) a gather from ``code_ptr``.
+    """
+    if SHUFFLE_LUT:
+        bits = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x101f, -1;", "=r,r,r", [lane_entry, nibbles],
+                                         dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+        value = bits.to(tl.float32, bitcast=True)
+    else:
+        value = tl.load(code_ptr + (nibbles & 15))
+    return value
+
+
+@triton.jit
+def _load_words(
+    w_ptr,  # the packed weight as int32 words (8 elements each)
+    absmax_ptr,
+    x_row_ptr,
+    offs_n,
+    k0,  # first input feature of the tile (a multiple of 8)
+    k_end,
+    N,
+    K,
+    stride_wn,  # words per weight row
+    BLOCKSIZE: tl.constexpr,
+    SUB: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The DRAM reads of one FACTOR_SCALES tile: W[offs_n, k0 : k0 + BLOCK_K] as (BLOCK_N, NB, SUB / 8) int32 words,
+    the (BLOCK_N, NB) stored scales and x[k0 : k0 + BLOCK_K] as fp32 (1, NB, SUB / 8, 8), NB = BLOCK_K / SUB.
+
+    x is loaded 4-D on purpose: its load fixes the layout of the decoded (BLOCK_N, NB, SUB / 8, 8) tile so that each
+    thread holds whole words (8 weights of one row) and reduces them in registers.
+    """
+    NB: tl.constexpr = BLOCK_K // SUB
+    WPB: tl.constexpr = SUB // 8
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    word = k0 // 8 + tl.arange(0, NB)[:, None] * WPB + tl.arange(0, WPB)[None, :]  # (NB, WPB)
+    mask = mask_n[:, None, None] & (word < k_end // 8)[None, :, :]
+    words = tl.load(w_ptr + rows[:, None, None] * stride_wn + word[None, :, :], mask=mask, other=0)
+    sub_start = k0 + tl.arange(0, NB) * SUB
+    block_idx = rows[:, None] * (K // BLOCKSIZE) + (sub_start // BLOCKSIZE)[None, :]
+    raw_scale = tl.load(absmax_ptr + block_idx, mask=mask_n[:, None] & (sub_start < k_end)[None, :], other=0)
+    k = word[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # (NB, WPB, 8)
+    # The mask per word (k_end is a multiple of 8 here), so that the 8 x values of a word load as one 16-byte vector.
+    x = tl.load(x_row_ptr + k[None, :, :, :], mask=(word < k_end // 8)[None, :, :, None], other=0.0)
+    return words, raw_scale, x.to(tl.float32)
 
 
 @triton.jit
 def _factored_row_dot(
-    packed,  # (BLOCK_N, NB, SUB / 2) uint8, from _load_weight_raw (ALIGNED)
+    words,  # (BLOCK_N, NB, SUB / 8) int32, from _load_words
     raw_scale,  # (BLOCK_N, NB)
-    x_even,  # (NB, SUB / 2) fp32
-    x_odd,
+    x,  # (1, NB, SUB / 8, 8) fp32
+    lane_entry,
     code_ptr,
     nested_code_ptr,
     nested_absmax_ptr,
@@ -174,22 +233,28 @@ def _factored_row_dot(
     SUB: tl.constexpr,
     BLOCK_K: tl.constexpr,
     MUL_RN: tl.constexpr,
+    SHUFFLE_LUT: tl.constexpr,
 ):
     """(BLOCK_N,) fp32: sum_k W[n, k] * x[k] over the tile as sum_blocks scale[n, b] * sum_{k in b} code[n, k] * x[k].
 
-    One code lookup and one FMA per weight; the scale multiply happens once per sub-block of SUB weights.
+    Per weight: a shift, a table lookup ([`_lookup_codes`]) and an FMA; the scale multiply happens once per
+    sub-block of SUB weights. Element ``8 w + j`` of word ``w`` sits in byte ``j // 2`` (little-endian), in the high
+    nibble for even ``j``: shift ``8 (j // 2) + 4 (1 - j % 2)``.
     """
+    NB: tl.constexpr = BLOCK_K // SUB
     mask_n = offs_n < N
     rows = offs_n.to(tl.int64)
-    sub_start = k0 + tl.arange(0, BLOCK_K // SUB) * SUB
+    sub_start = k0 + tl.arange(0, NB) * SUB
     block_idx = rows[:, None] * (K // BLOCKSIZE) + (sub_start // BLOCKSIZE)[None, :]
     scale_mask = mask_n[:, None] & (sub_start < k_end)[None, :]
     scale = decode_absmax(
         raw_scale, block_idx, scale_mask, nested_code_ptr, nested_absmax_ptr, offset_ptr, NESTED, NESTED_BLOCKSIZE,
         MUL_RN,
     )  # (BLOCK_N, NB)
-    high, low = decode_nibbles(packed, code_ptr)  # codes of the even / odd elements, (BLOCK_N, NB, SUB / 2)
-    per_block = tl.sum(high * x_even[None, :, :] + low * x_odd[None, :, :], axis=2)  # (BLOCK_N, NB)
+    j = tl.arange(0, 8)
+    shifts = (j // 2) * 8 + (1 - j % 2) * 4
+    values = _lookup_codes(words[:, :, :, None] >> shifts[None, None, None, :], lane_entry, code_ptr, SHUFFLE_LUT)
+    per_block = tl.sum(tl.sum(values * x, axis=3), axis=2)  # (BLOCK_N, NB)
     return tl.sum(per_block * scale, axis=1)
 
 
@@ -447,8 +512,9 @@ def _fused_small_m_kernel(
     XA_COPY_STRIDE: tl.constexpr,
     XA_POLLS: tl.constexpr,  # counter polls before an epilogue makes the xa chunks itself (0: interpreter)
     INTERPRET: tl.constexpr,
-    FACTOR_SCALES: tl.constexpr,  # M = 1, ALIGNED 4-bit: scale applied per sub-block (see _factored_row_dot)
+    FACTOR_SCALES: tl.constexpr,  # M = 1, ALIGNED 4-bit, W as int32 words: scale per sub-block (_factored_row_dot)
     MUL_RN: tl.constexpr,  # exact nested-absmax decode with fp fusion on (compiled kernels; see _decode_absmax)
+    SHUFFLE_LUT: tl.constexpr,  # FACTOR_SCALES code lookups by warp shuffle (compiled kernels; see _lookup_codes)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -479,25 +545,29 @@ def _fused_small_m_kernel(
     # Software prefetch: the reads of tile i + 1 (weight codes, scales, x) are issued before tile i is decoded and
     # multiplied. (Triton's own pipeliner, num_stages > 1, would also stage the per-element code-table gathers
     # through shared memory.) A prefetch past k_end is fully masked and reads nothing.
-    packed, raw_scale = _load_weight_raw(
-        w_ptr, absmax_ptr, offs_n, k_start, k_end, N, K, stride_wn, WEIGHT_KIND, BLOCKSIZE, SUB, BLOCK_N, BLOCK_K
-    )
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if FACTOR_SCALES:
+        # Here w_ptr holds int32 words and stride_wn counts words (small_m.py).
+        if SHUFFLE_LUT:
+            lane_entry = _lane_code_entry(code_ptr)
+        else:
+            lane_entry = tl.zeros((1, 1, 1, 1), tl.int32)
         x_row_ptr = x_ptr + pid_m * stride_xm
-        x_even, x_odd = _load_x_pairs(x_row_ptr, k_start, k_end, SUB, BLOCK_K)
+        words, raw_scale, x_cur = _load_words(w_ptr, absmax_ptr, x_row_ptr, offs_n, k_start, k_end, N, K, stride_wn,
+                                              BLOCKSIZE, SUB, BLOCK_K)  # fmt: skip
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
-            cur_packed, cur_scale, cur_even, cur_odd = packed, raw_scale, x_even, x_odd
-            packed, raw_scale = _load_weight_raw(
-                w_ptr, absmax_ptr, offs_n, k0 + BLOCK_K, k_end, N, K, stride_wn, WEIGHT_KIND, BLOCKSIZE, SUB, BLOCK_N,
-                BLOCK_K,
-            )
-            x_even, x_odd = _load_x_pairs(x_row_ptr, k0 + BLOCK_K, k_end, SUB, BLOCK_K)
+            cur_words, cur_scale, cur_x = words, raw_scale, x_cur
+            words, raw_scale, x_cur = _load_words(w_ptr, absmax_ptr, x_row_ptr, offs_n, k0 + BLOCK_K, k_end, N, K,
+                                                  stride_wn, BLOCKSIZE, SUB, BLOCK_K)  # fmt: skip
             acc += _factored_row_dot(
-                cur_packed, cur_scale, cur_even, cur_odd, code_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
-                offs_n, k0, k_end, N, K, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB, BLOCK_K, MUL_RN,
+                cur_words, cur_scale, cur_x, lane_entry, code_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+                offs_n, k0, k_end, N, K, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB, BLOCK_K, MUL_RN, SHUFFLE_LUT,
             )[:, None]
     else:
+        packed, raw_scale = _load_weight_raw(
+            w_ptr, absmax_ptr, offs_n, k_start, k_end, N, K, stride_wn, WEIGHT_KIND, BLOCKSIZE, SUB, BLOCK_N, BLOCK_K
+        )
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         x_tile = _load_x_tile(x_ptr, offs_m, k_start, k_end, M, stride_xm, USE_DOT, BLOCK_K)
         for k0 in range(k_start, k_end, BLOCK_K):
             w = _decode_weight_tile(packed, raw_scale, code_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, offs_n,
