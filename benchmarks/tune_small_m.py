@@ -542,7 +542,6 @@ class Case:
     the same weights as ``peft_fastlora`` containers: every provider reads the same bytes."""
 
     def __init__(self, kind: str, n: int, k: int, device: torch.device, l2_mb: float):
-        import bench_layers
         from peft import LoraConfig, get_peft_model
 
         from peft_fastlora.bnb import int8_from_bnb, packed4bit_from_bnb
@@ -553,7 +552,7 @@ class Case:
         def base_layer():
             weight = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
             # int8: outlier threshold 0 (no host sync), so that bnb's forward can be captured in a CUDA graph.
-            layer = bench_layers.make_base_layer(weight, quant, device, 0.0)
+            layer = C.make_base_layer(weight, quant, device, 0.0)
             w = layer.weight  # containers are built before any forward (bnb int8 moves CB/SCB on forward)
             return layer, int8_from_bnb(w) if kind == "int8" else packed4bit_from_bnb(w.data, w.quant_state)
 

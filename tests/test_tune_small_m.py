@@ -272,3 +272,13 @@ def test_finalize_writes_csv_json_and_plot(tmp_path, capsys):
     assert set(table["devices"]) == {"NVIDIA H100", "NVIDIA H200"} == set(json.loads(merge.read_text())["devices"])
     assert table["devices"]["NVIDIA H200"]["kinds"]["nf4"]["4096x4096"]["crossover_m"] == 2
     assert (tmp_path / "tune_small_m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_case_builds_its_layers_and_containers_on_cpu(kind):
+    """The sweep's weights and PEFT layers (bitsandbytes quantizes on the CPU too): a renamed helper fails here, not
+    minutes into a GPU run."""
+    case = T.Case(kind, 64, 128, torch.device("cpu"), l2_mb=0.001)
+    assert case.copies == 2 and len(case.layers) == len(case.weights) == len(case.lora_a) == 2
+    assert all(w.shape == (64, 128) for w in case.weights)
+    assert case.weight_bytes > 64 * 128 // 2
