@@ -79,9 +79,10 @@ def heuristic_config(m: int, n: int, k: int, device: torch.device, kind: str = "
     """Default tiling: FMAs for one row, tensor cores otherwise; K is split until the SMs hold enough programs.
 
     One row: 8 x 512 tiles; for 4-bit weights on one warp (the M = 1 path decodes whole words per thread; the best
-    tile of the H100 tuning) with K split towards ~24 programs per SM, for int8 on 4 warps, ~6 per SM. Several rows: 32 x 128 tensor-core tiles on 4 warps, ~6 programs per
-    SM. The tiles keep registers below ~128 per thread so that several programs share an SM: with the prefetch, the
-    bytes in flight (what bounds a weight-streaming kernel) grow with the number of resident programs.
+    tile of the H100 tuning) with K split towards ~24 programs per SM, for int8 on 4 warps, ~6 per SM. Several rows:
+    32 x 128 tensor-core tiles on 4 warps, ~6 programs per SM. The tiles keep registers below ~128 per thread so
+    that several programs share an SM: with the prefetch, the bytes in flight (what bounds a weight-streaming
+    kernel) grow with the number of resident programs.
     """
     if m == 1 and kind == "nf4":
         block_m, block_n, block_k, warps, per_sm = 1, 8, 512, 1, 24
