@@ -259,6 +259,31 @@ class FastLoraLayer(nn.Module, LoraLayer):
             result = clamp_fp16(result, self.overflow_count)
         return result
 
+    def single_adapter_args(self, x: torch.Tensor) -> Optional[tuple]:
+        """``(weight, bias, lora_a, lora_b, scaling)`` when this layer's forward on ``x`` would be exactly one
+        ``fastlora_linear`` call on ``x`` itself (one active adapter, no dropout, nothing merged or disabled, no fp16
+        guard, adapters not FSDP units), else None. Lets a caller fuse the producer of ``x`` into the op
+        (``peft_fastlora.fast_path``'s SwiGLU down projection)."""
+        if self.merged_adapters or self.disable_adapters or (self.overflow_guard and x.dtype == torch.float16):
+            return None
+        active = self.active_adapter
+        adapters = [a for a in ((active,) if isinstance(active, str) else active) if a in self.lora_A]
+        if len(adapters) != 1 or self.adapters_are_fsdp_units(adapters):
+            return None
+        (adapter,) = adapters
+        if not isinstance(self._modules["lora_dropout"]._modules[adapter], nn.Identity):
+            return None
+        if not self._activations_checked:
+            self._check_activation_dtype(x)
+        self._restore_adapter_dtypes(adapters)
+        return (
+            self.quantized_weight(),
+            param(self._base(), "bias"),
+            param(self._modules["lora_A"]._modules[adapter], "weight"),
+            param(self._modules["lora_B"]._modules[adapter], "weight"),
+            self.scaling[adapter],
+        )
+
     def _overflow_counter(self, x: torch.Tensor) -> torch.Tensor:
         """The guard's counter, on ``x``'s device and updatable here (not an inference tensor outside inference
         mode, as one created or moved under ``torch.inference_mode()`` would be)."""

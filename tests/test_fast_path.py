@@ -18,7 +18,8 @@ from peft import get_peft_model
 
 import peft_fastlora
 from peft_fastlora import fast_path
-from tests.utils import fast_config, load_quantized, save_tiny_llama
+from peft_fastlora.ops import FORCE_TRITON_ENV
+from tests.utils import TINY_LLAMA, fast_config, load_quantized, save_tiny_llama, tokens
 
 AOT = {"backend": "aot_eager", "fullgraph": True}
 
@@ -127,12 +128,79 @@ def fake_liger(monkeypatch):
 
 def test_liger_gets_the_transformers_model_and_all_kernels_when_eager(tiny_llama_path, fake_liger):
     model = fastlora_model(tiny_llama_path)
-    report = peft_fastlora.enable_fast_path(model)
+    report = peft_fastlora.enable_fast_path(model, fuse_mlp=False)
     (call,) = fake_liger
     assert call["model"] is model.get_base_model()  # Liger patches a transformers model, never the PeftModel
     assert call["fused_linear_cross_entropy"] and call["rope"] and call["rms_norm"] and call["swiglu"]
     assert not call["cross_entropy"]
     assert set(report.liger_kernels) == {"fused_linear_cross_entropy", "rope", "rms_norm", "swiglu"}
+
+
+def test_fused_mlp_replaces_liger_swiglu(tiny_llama_path, fake_liger):
+    model = fastlora_model(tiny_llama_path)
+    report = peft_fastlora.enable_fast_path(model)
+    (call,) = fake_liger
+    assert not call["swiglu"] and call["rms_norm"] and call["rope"]
+    assert report.fused_mlps == TINY_LLAMA["num_hidden_layers"] and "swiglu" not in report.liger_kernels
+
+
+def _loss_and_grads(model, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("ckpt", ["off", "non-reentrant", "reentrant"])
+def test_fused_mlp_matches_the_module_math_and_keeps_less(tiny_llama_path, monkeypatch, ckpt):
+    """Through the Triton path (interpreter): loss and every LoRA grad of the fused MLP match the unfused model's
+    within bf16 rounding (the tiny model computes in bf16; the fused SwiGLU rounds once where the module rounds
+    twice); the forward keeps one tokens x intermediate tensor less per layer; inference runs the module's own
+    math."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    plain, fused = fastlora_model(tiny_llama_path), fastlora_model(tiny_llama_path)
+    report = peft_fastlora.enable_fast_path(fused, liger=False)
+    assert report.fused_mlps == TINY_LLAMA["num_hidden_layers"]
+    for model in (plain, fused):
+        set_checkpointing(model, ckpt)
+        model.train()
+    ids = tokens(rows=2, seq=8)
+    loss_plain, grads_plain = _loss_and_grads(plain, ids)
+    loss_fused, grads_fused = _loss_and_grads(fused, ids)
+    torch.testing.assert_close(loss_fused, loss_plain, atol=1e-4, rtol=1e-4)
+    assert grads_fused.keys() == grads_plain.keys() and any("down_proj" in n for n in grads_fused)
+    for name, grad in grads_plain.items():
+        scale = grad.abs().max().item()
+        torch.testing.assert_close(grads_fused[name], grad, atol=2e-2 * scale, rtol=2e-2, msg=name)
+    if ckpt == "off":
+        sizes = {}
+        for name, model in (("plain", plain), ("fused", fused)):
+            kept = {}
+
+            def pack(t, kept=kept):
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                model(input_ids=ids, labels=ids)
+            sizes[name] = sum(kept.values())
+        h_bytes = ids.numel() * TINY_LLAMA["intermediate_size"] * 2  # bf16
+        assert sizes["plain"] - sizes["fused"] >= TINY_LLAMA["num_hidden_layers"] * h_bytes
+    with torch.no_grad():
+        torch.testing.assert_close(fused(input_ids=ids).logits, plain(input_ids=ids).logits, atol=0, rtol=0)
+
+
+def test_fused_mlp_steps_aside_for_what_it_cannot_fuse(tiny_llama_path):
+    """Dropout on the down projection's LoRA input (or two active adapters) keeps the module's math."""
+    model = fastlora_model(tiny_llama_path, lora_dropout=0.1)
+    peft_fastlora.enable_fast_path(model, liger=False)
+    down = model.get_base_model().model.layers[0].mlp.down_proj
+    assert down.single_adapter_args(torch.zeros(1, TINY_LLAMA["intermediate_size"])) is None
+    plain = fastlora_model(tiny_llama_path)
+    peft_fastlora.enable_fast_path(plain, liger=False, fuse_mlp=False)
+    assert "_fused_mlp_forward" not in str(plain.get_base_model().model.layers[0].mlp.forward)
 
 
 def test_liger_keeps_only_the_loss_when_blocks_compile(tiny_llama_path, fake_liger):

@@ -4,6 +4,7 @@
 - ``quant_state.py``: the weight containers the ops take ([`Packed4bit`], [`Int8Rowwise`]);
 - ``reference.py``: the pure-torch twins (the CPU path);
 - ``lora_linear.py`` and ``custom_ops.py``: the training path's autograd wrapper and the ``torch.library`` ops;
+- ``swiglu_lora.py``: [`swiglu_lora_linear`], the MLP down projection fused with its SwiGLU (keeps no ``h``);
 - ``kernels/``: everything that imports Triton.
 
 ops/ never imports peft or bitsandbytes. Caching inside ops/ is documented where it lives: per weight in
@@ -14,6 +15,7 @@ ops/ never imports peft or bitsandbytes. Caching inside ops/ is documented where
 from .dispatch import FORCE_TRITON_ENV, dequantize, fastlora_linear
 from .lora_linear import LoraLinearFunction
 from .quant_state import Int8Rowwise, Packed4bit, QuantizedWeight
+from .swiglu_lora import SwiGLULoraFunction, swiglu_lora_linear
 
 __all__ = [
     "FORCE_TRITON_ENV",
@@ -21,6 +23,8 @@ __all__ = [
     "LoraLinearFunction",
     "Packed4bit",
     "QuantizedWeight",
+    "SwiGLULoraFunction",
     "dequantize",
     "fastlora_linear",
+    "swiglu_lora_linear",
 ]

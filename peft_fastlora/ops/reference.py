@@ -93,3 +93,19 @@ def lora_linear_ref(
         lora = F.linear(F.linear(lx.to(lora_a.dtype), lora_a), lora_b.to(lora_a.dtype)) * scaling
         out = out + lora.to(x.dtype)
     return out
+
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in ``gate.dtype``, math in fp32 with one rounding (twin of ``kernels.swiglu.silu_mul``)."""
+    g = gate.float()
+    return (g * torch.sigmoid(g) * up.float()).to(gate.dtype)
+
+
+def silu_mul_backward_ref(
+    grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d gate, d up)`` of [`silu_mul_ref`], fp32 math, one rounding each (twin of
+    ``kernels.swiglu.silu_mul_backward``)."""
+    dh, g, u = grad_h.float(), gate.float(), up.float()
+    sig = torch.sigmoid(g)
+    return (dh * u * sig * (1 + g * (1 - sig))).to(gate.dtype), (dh * g * sig).to(up.dtype)

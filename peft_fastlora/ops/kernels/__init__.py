@@ -4,6 +4,7 @@
 - ``jit.py``: ``@triton.jit`` helpers shared by the kernels (format decoding, rounding);
 - ``dequant.py``: the dequant kernels and their launchers;
 - ``small_m_kernel.py`` / ``small_m.py``: the fused small-M (decode) kernel and its launcher;
+- ``swiglu.py``: ``silu(gate) * up`` and its backward (the fused MLP down projection's elementwise half);
 - ``tuning.py``: the small-M tuning table (no Triton).
 
 The rest of ops/ reaches the kernels only through [`load`], so that ``import peft_fastlora`` works where Triton is
@@ -19,7 +20,8 @@ from types import ModuleType
 
 @functools.cache
 def load() -> ModuleType:
-    """Imports the kernels on first use and returns this package, with ``dequant`` and ``small_m`` loaded."""
-    from . import dequant, small_m  # noqa: F401
+    """Imports the kernels on first use and returns this package, with ``dequant``, ``small_m`` and ``swiglu``
+    loaded."""
+    from . import dequant, small_m, swiglu  # noqa: F401
 
     return sys.modules[__name__]

@@ -1,0 +1,91 @@
+"""The MLP down projection fused with its SwiGLU: ``y = fastlora_linear(silu(gate) * up, W, bias, A, B, scaling)``.
+
+Why: in a SwiGLU MLP (Llama, Mistral, Qwen2, ...) the down projection's input ``h = silu(gate) * up`` is as large as
+``gate`` and ``up`` (tokens x intermediate size) and the LoRA backward needs it (``dA = t.T @ h``), so an unfused
+step keeps ``h`` for backward on top of ``gate`` and ``up``: 235 MB per Llama-3-8B layer at 8192 tokens. Here
+backward recomputes ``h`` from ``gate`` and ``up`` (one elementwise pass) and only those two are kept.
+
+[`swiglu_lora_linear`] is the door (arguments checked like ``fastlora_linear``'s); [`SwiGLULoraFunction`] the
+autograd wrapper around ``lora_linear_forward`` / ``lora_linear_backward`` and the SwiGLU kernels. On CPU tensors
+(without ``PEFT_FASTLORA_FORCE_TRITON=1``) and while ``torch.compile`` traces, it is the plain composition of
+``silu_mul`` and ``fastlora_linear`` (same math, no memory saving).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import kernels
+from .dispatch import _use_triton, check_linear_args, fastlora_linear
+from .lora_linear import lora_linear_backward, lora_linear_forward
+from .quant_state import QuantizedWeight
+from .reference import silu_mul_ref
+
+
+class SwiGLULoraFunction(torch.autograd.Function):
+    """``(gate, up, bias, lora_a, lora_b, scaling, weight) -> y``; saves gate, up, xa and the adapters, never h."""
+
+    @staticmethod
+    def forward(ctx, gate, up, bias, lora_a, lora_b, scaling, weight):
+        swiglu = kernels.load().swiglu
+        h = swiglu.silu_mul(gate, up)
+        out, xa = lora_linear_forward(h, bias, lora_a, lora_b, scaling, None, weight)
+        ctx.save_for_backward(gate, up, xa, lora_a, lora_b)
+        ctx.scaling, ctx.weight = scaling, weight
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up, xa, lora_a, lora_b = ctx.saved_tensors
+        nig = ctx.needs_input_grad
+        swiglu = kernels.load().swiglu
+        need_dh = nig[0] or nig[1]
+        h = swiglu.silu_mul(gate, up) if nig[3] else None  # dA = t.T @ h: the one use of h in backward
+        needs = (need_dh, nig[2], nig[3], nig[4], False)
+        dh, dbias, da, db, _ = lora_linear_backward(grad_out.contiguous(), None, lora_a, lora_b, h, xa,
+                                                   ctx.bias_dtype, ctx.scaling, needs, False, ctx.weight)  # fmt: skip
+        del h
+        dg = du = None
+        if need_dh:
+            dg, du = swiglu.silu_mul_backward(dh.view(gate.shape), gate, up)
+        return dg, du, dbias, da, db, None, None
+
+
+def swiglu_lora_linear(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: Optional[torch.Tensor],
+    lora_a: Optional[torch.Tensor],
+    lora_b: Optional[torch.Tensor],
+    scaling: float,
+) -> torch.Tensor:
+    """``fastlora_linear(silu(gate) * up, weight, bias, lora_a, lora_b, scaling)``, keeping only ``gate`` and ``up``
+    for backward.
+
+    Args:
+        gate (`torch.Tensor`): ``(..., in_features)``, the gate projection's output.
+        up (`torch.Tensor`): Same shape and dtype as ``gate``, the up projection's output.
+        weight, bias, lora_a, lora_b, scaling: As for [`fastlora_linear`]; the LoRA branch reads ``h`` (no dropout).
+    """
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
+        raise ValueError(f"`gate` and `up` must have one shape, dtype and device, got {tuple(gate.shape)} "
+                         f"{gate.dtype} {gate.device} and {tuple(up.shape)} {up.dtype} {up.device}.")  # fmt: skip
+    device_type = gate.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        gate, up = gate.to(dtype), up.to(dtype)  # as the down projection's nn.Linear would cast h
+    if not _use_triton(gate.device) or torch.compiler.is_compiling():
+        return fastlora_linear(silu_mul_ref(gate, up), weight, bias, lora_a, lora_b, scaling)
+    check_linear_args(gate, weight, bias, lora_a, lora_b, None)
+    gate, up = gate.contiguous(), up.contiguous()
+    if not torch.is_autocast_enabled(device_type):
+        return SwiGLULoraFunction.apply(gate, up, bias, lora_a, lora_b, float(scaling), weight)
+    torch.set_autocast_enabled(device_type, False)  # as in fastlora_linear: cheaper than torch.autocast(False)
+    try:
+        return SwiGLULoraFunction.apply(gate, up, bias, lora_a, lora_b, float(scaling), weight)
+    finally:
+        torch.set_autocast_enabled(device_type, True)

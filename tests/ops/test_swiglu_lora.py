@@ -1,0 +1,149 @@
+"""``ops/kernels/swiglu.py`` against its torch twins, and ``ops/swiglu_lora.py`` (the MLP down projection fused with
+its SwiGLU) against fp32 autograd of ``lora_linear_ref(silu(gate) * up, ...)``; plus what it keeps for backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from peft_fastlora.ops import kernels, swiglu_lora_linear
+from peft_fastlora.ops.reference import lora_linear_ref, silu_mul_backward_ref, silu_mul_ref
+
+from .helpers import assert_close_scaled, make_inputs, make_weight
+
+ELEMENTWISE_CASES = [  # (dtype, atol, rtol): fp32 math in both, one rounding; sigmoid differs by ulps
+    pytest.param(torch.float32, 1e-6, 1e-5, id="fp32"),
+    pytest.param(torch.float16, 1e-3, 1e-3, id="fp16"),
+    pytest.param(torch.bfloat16, 8e-3, 8e-3, id="bf16"),
+]
+DTYPE_CASES = [  # (x dtype, adapter dtype, atol, rtol) against fp32 autograd, as in test_lora_linear.py
+    pytest.param(torch.float32, torch.float32, 1e-4, 1e-4, id="fp32"),
+    pytest.param(torch.float16, torch.float16, 5e-3, 5e-3, id="fp16"),
+    pytest.param(torch.bfloat16, torch.bfloat16, 3e-2, 3e-2, id="bf16"),
+    pytest.param(torch.bfloat16, torch.float32, 3e-2, 3e-2, id="bf16-fp32adapters"),
+]
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 1000), (2, 5, 77)], ids=str)  # numel below, at and off the block
+@pytest.mark.parametrize("dtype, atol, rtol", ELEMENTWISE_CASES)
+def test_kernels_match_their_twins(force_triton, shape, dtype, atol, rtol):
+    swiglu = kernels.load().swiglu
+    gate, up, grad = (torch.randn(shape) * 3).to(dtype), torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+    h = swiglu.silu_mul(gate, up)
+    assert h.dtype == dtype and h.shape == gate.shape
+    torch.testing.assert_close(h, silu_mul_ref(gate, up), atol=atol, rtol=rtol)
+    dg, du = swiglu.silu_mul_backward(grad, gate, up)
+    dg_ref, du_ref = silu_mul_backward_ref(grad, gate, up)
+    torch.testing.assert_close(dg, dg_ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(du, du_ref, atol=atol, rtol=rtol)
+
+
+def test_backward_twin_is_autograd_of_the_forward_twin():
+    gate, up = torch.randn(64, dtype=torch.float64, requires_grad=True), torch.randn(64, dtype=torch.float64)
+    up.requires_grad_()
+    grad = torch.randn(64, dtype=torch.float64)
+    (F.silu(gate) * up).backward(grad)
+    dg, du = silu_mul_backward_ref(grad, gate.detach(), up.detach())
+    torch.testing.assert_close(dg, gate.grad)
+    torch.testing.assert_close(du, up.grad)
+
+
+def fused_and_reference(lead, n, k, kind, x_dtype, adapter_dtype, bias=True):
+    weight = make_weight(kind, n, k)
+    _, b, a, bb, _ = make_inputs(lead, n, k, x_dtype, adapter_dtype, requires_grad=True, bias=bias)
+    if b is not None:
+        b.requires_grad_()
+    gate = (torch.randn(*lead, k) * 2).to(x_dtype).requires_grad_()
+    up = torch.randn(*lead, k).to(x_dtype).requires_grad_()
+    leaves = {"gate": gate, "up": up, "bias": b, "lora_a": a, "lora_b": bb}
+    ref = {name: None if t is None else t.detach().float().requires_grad_() for name, t in leaves.items()}
+    y = swiglu_lora_linear(gate, up, weight, b, a, bb, 2.0)
+    h_ref = F.silu(ref["gate"]) * ref["up"]
+    y_ref = lora_linear_ref(h_ref, weight, ref["bias"], ref["lora_a"], ref["lora_b"], 2.0)
+    return y, y_ref, leaves, ref
+
+
+@pytest.mark.parametrize("lead, n, k", [((1,), 40, 64), ((2, 3), 72, 128), ((17,), 48, 192)], ids=str)
+@pytest.mark.parametrize("kind", ["nf4-nested", "int8"])
+@pytest.mark.parametrize("x_dtype, adapter_dtype, atol, rtol", DTYPE_CASES)
+def test_fused_matches_fp32_autograd(force_triton, lead, n, k, kind, x_dtype, adapter_dtype, atol, rtol):
+    y, y_ref, leaves, ref = fused_and_reference(lead, n, k, kind, x_dtype, adapter_dtype)
+    assert type(y.grad_fn).__name__ == "SwiGLULoraFunctionBackward"
+    assert y.dtype == x_dtype and y.shape == y_ref.shape
+    assert_close_scaled(y, y_ref, atol, rtol, "y")
+    grad = torch.randn_like(y_ref)
+    y.backward(grad.to(y.dtype))
+    y_ref.backward(grad)
+    for name, t in leaves.items():
+        assert t.grad is not None and t.grad.dtype == t.dtype, name
+        assert_close_scaled(t.grad, ref[name].grad, atol, rtol, f"d{name}")
+
+
+def test_reference_path_is_the_plain_composition(reference_path):
+    y, y_ref, leaves, ref = fused_and_reference((4,), 24, 64, "nf4-nested", torch.float32, torch.float32)
+    assert y.grad_fn is not None and type(y.grad_fn).__name__ != "SwiGLULoraFunctionBackward"
+    assert_close_scaled(y, y_ref, 1e-4, 1e-4, "y")
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct tensors autograd keeps for backward while ``fn`` runs."""
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(saved.values())
+
+
+def test_keeps_gate_and_up_but_not_h(force_triton):
+    """The point of the fusion: backward gets gate, up, xa and the adapters, never h = silu(gate) * up."""
+    n, k, rows = 32, 256, 64
+    weight = make_weight("nf4-nested", n, k)
+    _, bias, a, b, _ = make_inputs((rows,), n, k, torch.float32, requires_grad=True)
+    gate, up = torch.randn(rows, k, requires_grad=True), torch.randn(rows, k, requires_grad=True)
+    small = a.nbytes + b.nbytes + rows * a.shape[0] * 4  # adapters and xa
+    fused = _saved_bytes(lambda: swiglu_lora_linear(gate, up, weight, bias, a, b, 2.0))
+    assert fused == gate.nbytes + up.nbytes + small
+    unfused = _saved_bytes(lambda: kernels_path_unfused(gate, up, weight, bias, a, b))
+    assert unfused >= fused + gate.nbytes  # h (and silu's own saved tensors) on top
+
+
+def kernels_path_unfused(gate, up, weight, bias, a, b):
+    from peft_fastlora.ops import fastlora_linear
+
+    return fastlora_linear(F.silu(gate) * up, weight, bias, a, b, 2.0)
+
+
+def test_bad_gate_and_up_are_named(force_triton):
+    weight = make_weight("nf4-nested", 8, 64)
+    with pytest.raises(ValueError, match="`gate` and `up` must have one shape"):
+        swiglu_lora_linear(torch.randn(2, 64), torch.randn(3, 64), weight, None, None, None, 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["nf4-nested", "int8"])
+def test_gpu_fused_matches_unfused_at_llama_shape(kind):
+    """Llama-3-8B's down projection (14336 -> 4096) over 512 tokens in bf16: output and grads of the fused op against
+    the unfused composition through the same door, within bf16 rounding."""
+    from peft_fastlora.ops import fastlora_linear
+
+    n, k, rows = 4096, 14336, 512
+    weight = make_weight(kind, n, k, device="cuda")
+    _, bias, a, b, _ = make_inputs((rows,), n, k, torch.bfloat16, device="cuda", requires_grad=True, bias=False, r=16)
+    gate = (torch.randn(rows, k, device="cuda") * 2).to(torch.bfloat16).requires_grad_()
+    up = torch.randn(rows, k, device="cuda").to(torch.bfloat16).requires_grad_()
+    leaves = [gate, up, a, b]
+    twins = [t.detach().clone().requires_grad_() for t in leaves]
+    y = swiglu_lora_linear(gate, up, weight, None, a, b, 2.0)
+    assert type(y.grad_fn).__name__ == "SwiGLULoraFunctionBackward"
+    y_ref = fastlora_linear(F.silu(twins[0]) * twins[1], weight, None, twins[2], twins[3], 2.0)
+    assert_close_scaled(y, y_ref, 2e-2, 2e-2, "y")
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    y_ref.backward(grad)
+    for name, t, twin in zip(("gate", "up", "lora_a", "lora_b"), leaves, twins):
+        assert_close_scaled(t.grad, twin.grad, 3e-2, 3e-2, f"d{name}")
