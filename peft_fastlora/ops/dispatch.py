@@ -245,13 +245,18 @@ def fastlora_linear(
         lora_x = lora_x.to(dtype)
     if x.dtype != dtype:
         x = x.to(dtype)
+    return without_autocast(device_type, _dispatch, x, weight, bias, lora_a, lora_b, scaling, lora_x)
+
+
+def without_autocast(device_type: str, fn, *args):
+    """``fn(*args)`` with autocast off for ``device_type`` (it is on when this is called)."""
     if torch.compiler.is_compiling():
         with torch.autocast(device_type, enabled=False):
-            return _dispatch(x, weight, bias, lora_a, lora_b, scaling, lora_x)
+            return fn(*args)
     # Eagerly, flip the flag instead of entering `torch.autocast(enabled=False)`: its constructor alone costs more host
     # time than a kernel launch, on every layer of every step.
     torch.set_autocast_enabled(device_type, False)
     try:
-        return _dispatch(x, weight, bias, lora_a, lora_b, scaling, lora_x)
+        return fn(*args)
     finally:
         torch.set_autocast_enabled(device_type, True)

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from . import kernels
-from .dispatch import _use_triton, check_linear_args, fastlora_linear
+from .dispatch import _use_triton, check_linear_args, fastlora_linear, without_autocast
 from .lora_linear import lora_linear_backward, lora_linear_forward
 from .quant_state import QuantizedWeight
 from .reference import silu_mul_ref
@@ -81,11 +81,7 @@ def swiglu_lora_linear(
     if not _use_triton(gate.device) or torch.compiler.is_compiling():
         return fastlora_linear(silu_mul_ref(gate, up), weight, bias, lora_a, lora_b, scaling)
     check_linear_args(gate, weight, bias, lora_a, lora_b, None)
-    gate, up = gate.contiguous(), up.contiguous()
+    args = (gate.contiguous(), up.contiguous(), bias, lora_a, lora_b, float(scaling), weight)
     if not torch.is_autocast_enabled(device_type):
-        return SwiGLULoraFunction.apply(gate, up, bias, lora_a, lora_b, float(scaling), weight)
-    torch.set_autocast_enabled(device_type, False)  # as in fastlora_linear: cheaper than torch.autocast(False)
-    try:
-        return SwiGLULoraFunction.apply(gate, up, bias, lora_a, lora_b, float(scaling), weight)
-    finally:
-        torch.set_autocast_enabled(device_type, True)
+        return SwiGLULoraFunction.apply(*args)
+    return without_autocast(device_type, SwiGLULoraFunction.apply, *args)

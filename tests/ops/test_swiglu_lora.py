@@ -147,3 +147,17 @@ def test_gpu_fused_matches_unfused_at_llama_shape(kind):
     y_ref.backward(grad)
     for name, t, twin in zip(("gate", "up", "lora_a", "lora_b"), leaves, twins):
         assert_close_scaled(t.grad, twin.grad, 3e-2, 3e-2, f"d{name}")
+
+
+def test_autocast_casts_gate_and_up_like_the_down_projection_would(force_triton):
+    """Under autocast the fused op sees gate and up in the autocast dtype (what nn.Linear would do to h), runs with
+    autocast off inside, and restores it."""
+    weight = make_weight("nf4-nested", 24, 64)
+    _, bias, a, b, _ = make_inputs((5,), 24, 64, torch.bfloat16, adapter_dtype=torch.float32)
+    gate, up = torch.randn(5, 64), torch.randn(5, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = swiglu_lora_linear(gate, up, weight, bias, a, b, 2.0)
+        assert torch.is_autocast_enabled("cpu")
+    assert y.dtype == torch.bfloat16
+    expected = swiglu_lora_linear(gate.bfloat16(), up.bfloat16(), weight, bias, a, b, 2.0)
+    assert torch.equal(y, expected)
