@@ -227,6 +227,9 @@ def main() -> int:
     p.add_argument("--kinds", default="nf4,int8", help="nf4,int8")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"nf4 variants, of {list(MODES)}")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("probe_small_m.py times CUDA kernels and needs a GPU; nothing to do here.")
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     env = C.env_info(device)

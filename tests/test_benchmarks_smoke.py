@@ -332,6 +332,10 @@ def test_gpu_only_scripts_explain_themselves_on_cpu(tmp_path):
     proc = subprocess.run([sys.executable, "benchmarks/host_overhead.py", "--out", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=TIMEOUT_S, env=_env())  # fmt: skip
     assert proc.returncode == 2 and "needs a GPU" in proc.stdout, proc.stdout + proc.stderr
+    assert "stripped-down GEMV kernels" in run_python(["benchmarks/probe_small_m.py", "--help"], tmp_path)
+    proc = subprocess.run([sys.executable, "benchmarks/probe_small_m.py", "--out", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=TIMEOUT_S, env=_env())  # fmt: skip
+    assert proc.returncode == 2 and "needs a GPU" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_run_gpu_sh_syntax_and_usage(tmp_path):
@@ -396,5 +400,32 @@ def test_bench_train_step_runs_each_provider_in_its_own_process(tmp_path):
 
 def test_child_argv_drops_the_options_the_parent_sets():
     B = _bench_train_step()
-    argv = ["--tiny", "--providers", "a,b", "--out=x", "--model-dir", "m", "--keep-model", "--steps", "3", "--no-gen"]
-    assert B.child_argv(argv) == ["--tiny", "--steps", "3"]
+    argv = ["--tiny", "--providers", "a,b", "--out=x", "--model-dir", "m", "--keep-model", "--steps", "3", "--no-gen",
+            "--profile", "a,b"]  # fmt: skip
+    assert B.child_argv(argv) == ["--tiny", "--steps", "3"]  # each child gets --profile for its own provider only
+
+
+def test_timeline_attributes_idle_gaps_to_the_host_operator_that_ended_them():
+    """The profile's timeline: GPU busy time, idle gaps by phase, the host operator running when each gap ended, syncs."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    C = _bench_module("_common")
+
+    def event(name, start, end, device):
+        return NS(name=name, time_range=NS(start=start, end=end), device_type=device)
+
+    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
+    events = [
+        event("aten::mm", 0, 50, cpu), event("cudaLaunchKernel", 40, 45, cpu), event("kernel_a", 45, 60, gpu),
+        event("autograd::engine::evaluate_function: MmBackward0", 60, 200, cpu), event("aten::mm", 100, 190, cpu),
+        event("cudaLaunchKernel", 180, 185, cpu), event("kernel_b", 185, 300, gpu),
+        event("cudaStreamSynchronize", 200, 300, cpu),
+    ]  # fmt: skip
+    lines = C.timeline_lines(events)
+    assert lines[0].startswith("timeline: span 0.30 ms, GPU busy 0.13 ms (43 %)"), lines[0]
+    assert lines[1] == "idle by phase (ms): backward 0.12, forward 0.04", lines[1]
+    assert "autograd::engine::evaluate_function: MmBackward0 > aten::mm" in lines[3]  # the longest gap first
+    assert any("cudaStreamSynchronize in (top level)" in line for line in lines)
+    assert C.timeline_lines([event("aten::mm", 0, 1, cpu)]) == ["(no GPU or host events recorded)"]
