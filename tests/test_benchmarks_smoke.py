@@ -406,7 +406,7 @@ def test_child_argv_drops_the_options_the_parent_sets():
 
 
 def test_timeline_attributes_idle_gaps_to_the_host_operator_that_ended_them():
-    """The profile's timeline: GPU busy time, idle gaps by phase, the host operator running when each gap ended, syncs."""
+    """The profile timeline: GPU busy time, idle gaps by phase, the host operator that ended each gap, syncs."""
     from types import SimpleNamespace as NS
 
     from torch.autograd import DeviceType
