@@ -59,6 +59,31 @@ def timed(model, prompt, new_tokens, static, repeats) -> tuple[float, torch.Tens
     return statistics.median(rates), out
 
 
+def profile_generate(model, prompt, new_tokens: int, static: bool, path: Path) -> None:
+    """One profiled ``generate``: where the GPU idles (``_common.timeline_lines``) and the top-15 kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        generate(model, prompt, new_tokens, static)
+        torch.cuda.synchronize()
+    kernels: dict[str, list] = {}
+    for evt in prof.events():
+        if evt.device_type == DeviceType.CUDA:
+            entry = kernels.setdefault(evt.name[:100], [0.0, 0])
+            entry[0] += evt.time_range.elapsed_us()
+            entry[1] += 1
+    total = sum(v[0] for v in kernels.values())
+    lines = [f"# generate of {new_tokens} tokens, batch {prompt.shape[0]}; GPU kernel time {total / 1e3:.2f} ms"]
+    lines += C.timeline_lines(prof.events())
+    lines.append("top-15 kernels (ms, calls):")
+    for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:15]:
+        lines.append(f"  {us / 1e3:8.3f}  {n:6d}  {name}")
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:8]), flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/generate"))
@@ -69,6 +94,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="tiny model (smoke run; still needs CUDA)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one generate per row: where the GPU idles and the top kernels")  # fmt: skip
     args = p.parse_args(argv)
     import transformers
     from torch._dynamo.utils import counters
@@ -110,6 +137,9 @@ def main(argv=None) -> int:
                             row["graph_breaks"] = sum(counters["graph_break"].values())
                             row["cudagraph_skips"] = counters["inductor"].get("cudagraph_skips", 0)
                         row["tokens"] = out.cpu()
+                        if args.profile:
+                            path = args.out / f"profile_{provider}_{mode}_b{batch}.txt"
+                            profile_generate(model, prompt, args.new_tokens, static, path)
                     except Exception as err:
                         row.update(status="oom" if C.is_oom(err) else "error", error=C.short_error(err))
                     rows.append(row)
