@@ -90,8 +90,7 @@ def enable_fast_path(
         liger (`bool`, `"auto"` or a sequence of kernel names, defaults to `"auto"`): Use Liger-Kernel. `"auto"`: if it
             is installed and supports the architecture, else one warning saying why and the step runs without it.
             `True`: raise instead. A sequence (names from ``LIGER_KERNELS``, e.g. ``["fused_linear_cross_entropy"]``):
-            only those kernels, raising like `True` (at batch 1 the loss alone can be the faster choice: each Liger
-            kernel launch costs host time, see docs/fast-path.md).
+            only those kernels, raising like `True`.
         compile_blocks (`bool`, defaults to `False`): ``torch.compile`` each decoder block for training (evaluation and
             generation stay eager). Off by default: on an H100 (Llama-3-8B-shaped, seq 2048) compiled blocks measured
             0.80x the eager Liger step at batch 1 and 0.99x at batch 4 (docs/fast-path.md).
@@ -130,6 +129,8 @@ def enable_fast_path(
     if liger:
         report.liger_kernels = _apply_liger(hf_model, model_type, strict=liger is True, compiled=compile_now,
                                             notes=report.notes, only=only, swiglu=not mlps)  # fmt: skip
+    if mlps and only is not None and "swiglu" in only:
+        report.notes.append("Liger's swiglu replaced by the fused MLP (fuse_mlp=False keeps it)")
     for mlp in mlps:
         mlp.forward = MethodType(_fused_mlp_forward, mlp)
     report.fused_mlps = len(mlps)
