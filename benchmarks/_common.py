@@ -7,6 +7,7 @@ different machines are never mixed up; every comparison is between providers mea
 
 from __future__ import annotations
 
+import bisect
 import csv
 import datetime
 import functools
@@ -773,8 +774,6 @@ def timeline_lines(events, min_gap_us: float = 5.0, top: int = 15) -> list[str]:
     gaps = [(a, b) for a, b in gaps if b - a >= min_gap_us]
     cpu.sort()
     starts = [c[0] for c in cpu]
-    import bisect
-
     by_stack: dict[str, list[float]] = {}
     by_phase: dict[str, float] = {}
     for a, b in gaps:

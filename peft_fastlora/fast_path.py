@@ -31,6 +31,8 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from .ops import swiglu_lora_linear
+
 logger = logging.getLogger(__name__)
 
 FAST_EXTRA_HINT = 'pip install "peft-fastlora[fast]"  (or: pip install liger-kernel)'
@@ -251,8 +253,6 @@ def _swiglu_mlps(blocks: list[nn.Module]) -> list[nn.Module]:
 def _fused_mlp_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """A SwiGLU MLP's forward with the SwiGLU fused into the down projection when that is one FastLoRA op and a
     backward will follow; otherwise (inference, several adapters, dropout, merged) the module's own math."""
-    from .ops import swiglu_lora_linear
-
     gate, up = self.gate_proj(hidden_states), self.up_proj(hidden_states)
     args = self.down_proj.single_adapter_args(gate) if torch.is_grad_enabled() else None
     if args is None:

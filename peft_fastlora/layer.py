@@ -229,8 +229,7 @@ class FastLoraLayer(nn.Module, LoraLayer):
         elif adapter_names is not None:
             adapters = sorted({a for a in adapter_names if a in self.lora_A})
         else:
-            active = self.active_adapter
-            adapters = [a for a in ((active,) if isinstance(active, str) else active) if a in self.lora_A]
+            adapters = self._active_present()
         self._restore_adapter_dtypes(adapters)
 
         if adapter_names is not None or not adapters or self.adapters_are_fsdp_units(adapters):
@@ -259,6 +258,11 @@ class FastLoraLayer(nn.Module, LoraLayer):
             result = clamp_fp16(result, self.overflow_count)
         return result
 
+    def _active_present(self) -> list[str]:
+        """The active adapters this layer holds (PEFT's ``active_adapters`` property costs more on every call)."""
+        active = self.active_adapter
+        return [a for a in ((active,) if isinstance(active, str) else active) if a in self.lora_A]
+
     def single_adapter_args(self, x: torch.Tensor) -> Optional[tuple]:
         """``(weight, bias, lora_a, lora_b, scaling)`` when this layer's forward on ``x`` would be exactly one
         ``fastlora_linear`` call on ``x`` itself (one active adapter, no dropout, nothing merged or disabled, no fp16
@@ -266,8 +270,7 @@ class FastLoraLayer(nn.Module, LoraLayer):
         (``peft_fastlora.fast_path``'s SwiGLU down projection)."""
         if self.merged_adapters or self.disable_adapters or (self.overflow_guard and x.dtype == torch.float16):
             return None
-        active = self.active_adapter
-        adapters = [a for a in ((active,) if isinstance(active, str) else active) if a in self.lora_A]
+        adapters = self._active_present()
         if len(adapters) != 1 or self.adapters_are_fsdp_units(adapters):
             return None
         (adapter,) = adapters

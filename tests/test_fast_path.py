@@ -19,7 +19,7 @@ from peft import get_peft_model
 import peft_fastlora
 from peft_fastlora import fast_path
 from peft_fastlora.ops import FORCE_TRITON_ENV
-from tests.utils import TINY_LLAMA, fast_config, load_quantized, save_tiny_llama, tokens
+from tests.utils import TINY_LLAMA, fast_config, load_quantized, save_tiny_llama, saved_bytes, tokens
 
 AOT = {"backend": "aot_eager", "fullgraph": True}
 
@@ -175,17 +175,8 @@ def test_fused_mlp_matches_the_module_math_and_keeps_less(tiny_llama_path, monke
         scale = grad.abs().max().item()
         torch.testing.assert_close(grads_fused[name], grad, atol=2e-2 * scale, rtol=2e-2, msg=name)
     if ckpt == "off":
-        sizes = {}
-        for name, model in (("plain", plain), ("fused", fused)):
-            kept = {}
-
-            def pack(t, kept=kept):
-                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                model(input_ids=ids, labels=ids)
-            sizes[name] = sum(kept.values())
+        sizes = {name: saved_bytes(lambda m=model: m(input_ids=ids, labels=ids))
+                 for name, model in (("plain", plain), ("fused", fused))}  # fmt: skip
         h_bytes = ids.numel() * TINY_LLAMA["intermediate_size"] * 2  # bf16
         assert sizes["plain"] - sizes["fused"] >= TINY_LLAMA["num_hidden_layers"] * h_bytes
     with torch.no_grad():

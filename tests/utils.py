@@ -93,3 +93,16 @@ def assert_same_tensors(got: dict, expected: dict) -> None:
     for key, value in expected.items():
         assert got[key].dtype == value.dtype, key
         assert torch.equal(got[key], value), key
+
+
+def saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd keeps for backward while ``fn()`` runs."""
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(saved.values())

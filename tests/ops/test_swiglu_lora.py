@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from peft_fastlora.ops import kernels, swiglu_lora_linear
 from peft_fastlora.ops.reference import lora_linear_ref, silu_mul_backward_ref, silu_mul_ref
+from tests.utils import saved_bytes
 
 from .helpers import assert_close_scaled, make_inputs, make_weight
 
@@ -86,19 +87,6 @@ def test_reference_path_is_the_plain_composition(reference_path):
     assert_close_scaled(y, y_ref, 1e-4, 1e-4, "y")
 
 
-def _saved_bytes(fn) -> int:
-    """Bytes of the distinct tensors autograd keeps for backward while ``fn`` runs."""
-    saved = {}
-
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(saved.values())
-
-
 def test_keeps_gate_and_up_but_not_h(force_triton):
     """The point of the fusion: backward gets gate, up, xa and the adapters, never h = silu(gate) * up."""
     n, k, rows = 32, 256, 64
@@ -106,9 +94,9 @@ def test_keeps_gate_and_up_but_not_h(force_triton):
     _, bias, a, b, _ = make_inputs((rows,), n, k, torch.float32, requires_grad=True)
     gate, up = torch.randn(rows, k, requires_grad=True), torch.randn(rows, k, requires_grad=True)
     small = a.nbytes + b.nbytes + rows * a.shape[0] * 4  # adapters and xa
-    fused = _saved_bytes(lambda: swiglu_lora_linear(gate, up, weight, bias, a, b, 2.0))
+    fused = saved_bytes(lambda: swiglu_lora_linear(gate, up, weight, bias, a, b, 2.0))
     assert fused == gate.nbytes + up.nbytes + small
-    unfused = _saved_bytes(lambda: kernels_path_unfused(gate, up, weight, bias, a, b))
+    unfused = saved_bytes(lambda: kernels_path_unfused(gate, up, weight, bias, a, b))
     assert unfused >= fused + gate.nbytes  # h (and silu's own saved tensors) on top
 
 
