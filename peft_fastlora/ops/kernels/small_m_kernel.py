@@ -51,6 +51,28 @@ WEIGHT_INT8: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
+def _sub_block_index(offs_n, k0, k_end, N, K, BLOCKSIZE: tl.constexpr, SUB: tl.constexpr, NB: tl.constexpr):
+    """(BLOCK_N, NB) absmax index of each SUB-element sub-block of the tile W[offs_n, k0 : k0 + NB * SUB] (rows of
+    whole absmax blocks), and the mask of those inside the matrix and before ``k_end``."""
+    sub_start = k0 + tl.arange(0, NB) * SUB
+    block_idx = offs_n.to(tl.int64)[:, None] * (K // BLOCKSIZE) + (sub_start // BLOCKSIZE)[None, :]
+    return block_idx, (offs_n < N)[:, None] & (sub_start < k_end)[None, :]
+
+
+@triton.jit
+def _sub_block_scales(
+    raw_scale, nested_code_ptr, nested_absmax_ptr, offset_ptr, offs_n, k0, k_end, N, K,
+    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr, SUB: tl.constexpr,
+    NB: tl.constexpr, MUL_RN: tl.constexpr,
+):  # fmt: skip
+    """The fp32 (BLOCK_N, NB) scales of the sub-blocks whose stored scales ``raw_scale`` were loaded at
+    [`_sub_block_index`]."""
+    block_idx, mask = _sub_block_index(offs_n, k0, k_end, N, K, BLOCKSIZE, SUB, NB)
+    return decode_absmax(raw_scale, block_idx, mask, nested_code_ptr, nested_absmax_ptr, offset_ptr, NESTED,
+                         NESTED_BLOCKSIZE, MUL_RN)  # fmt: skip
+
+
+@triton.jit
 def _load_weight_raw(
     w_ptr,
     absmax_ptr,  # 4-bit: fp32 scales or uint8 codes (NESTED); int8: fp32 row scales (scb)
@@ -74,8 +96,8 @@ def _load_weight_raw(
         byte_in_row = (sub_start // 2)[:, None] + tl.arange(0, SUB // 2)[None, :]  # (NB, SUB/2)
         mask = mask_n[:, None, None] & (byte_in_row < k_end // 2)[None, :, :]
         packed = tl.load(w_ptr + rows[:, None, None] * stride_wn + byte_in_row[None, :, :], mask=mask, other=0)
-        block_idx = rows[:, None] * (K // BLOCKSIZE) + (sub_start // BLOCKSIZE)[None, :]  # (BLOCK_N, NB)
-        raw_scale = tl.load(absmax_ptr + block_idx, mask=mask_n[:, None] & (sub_start < k_end)[None, :], other=0)
+        block_idx, scale_mask = _sub_block_index(offs_n, k0, k_end, N, K, BLOCKSIZE, SUB, BLOCK_K // SUB)
+        raw_scale = tl.load(absmax_ptr + block_idx, mask=scale_mask, other=0)
     elif WEIGHT_KIND == WEIGHT_4BIT_ANY:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask = mask_n[:, None] & (offs_k < k_end)[None, :]
@@ -118,13 +140,9 @@ def _decode_weight_tile(
     mask_n = offs_n < N
     rows = offs_n.to(tl.int64)
     if WEIGHT_KIND == WEIGHT_4BIT_ALIGNED:
-        sub_start = k0 + tl.arange(0, BLOCK_K // SUB) * SUB
-        block_idx = rows[:, None] * (K // BLOCKSIZE) + (sub_start // BLOCKSIZE)[None, :]
-        scale_mask = mask_n[:, None] & (sub_start < k_end)[None, :]
-        scale = decode_absmax(
-            raw_scale, block_idx, scale_mask, nested_code_ptr, nested_absmax_ptr, offset_ptr, NESTED, NESTED_BLOCKSIZE,
-            MUL_RN,
-        )[:, :, None]
+        scale = _sub_block_scales(raw_scale, nested_code_ptr, nested_absmax_ptr, offset_ptr, offs_n, k0, k_end, N, K,
+                                  BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB, BLOCK_K // SUB, MUL_RN)  # fmt: skip
+        scale = scale[:, :, None]
         high, low = decode_nibbles(packed, code_ptr)
         w = tl.interleave(round_to(high * scale, DTYPE, INTERPRET), round_to(low * scale, DTYPE, INTERPRET))
         w = tl.reshape(w, (BLOCK_N, BLOCK_K))  # (BLOCK_N, NB, SUB) -> (BLOCK_N, BLOCK_K)
@@ -203,9 +221,8 @@ def _load_words(
     word = k0 // 8 + tl.arange(0, NB)[:, None] * WPB + tl.arange(0, WPB)[None, :]  # (NB, WPB)
     mask = mask_n[:, None, None] & (word < k_end // 8)[None, :, :]
     words = tl.load(w_ptr + rows[:, None, None] * stride_wn + word[None, :, :], mask=mask, other=0)
-    sub_start = k0 + tl.arange(0, NB) * SUB
-    block_idx = rows[:, None] * (K // BLOCKSIZE) + (sub_start // BLOCKSIZE)[None, :]
-    raw_scale = tl.load(absmax_ptr + block_idx, mask=mask_n[:, None] & (sub_start < k_end)[None, :], other=0)
+    block_idx, scale_mask = _sub_block_index(offs_n, k0, k_end, N, K, BLOCKSIZE, SUB, NB)
+    raw_scale = tl.load(absmax_ptr + block_idx, mask=scale_mask, other=0)
     k = word[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # (NB, WPB, 8)
     # The mask per word (k_end is a multiple of 8 here), so that the 8 x values of a word load as one 16-byte vector.
     x = tl.load(x_row_ptr + k[None, :, :, :], mask=(word < k_end // 8)[None, :, :, None], other=0.0)
@@ -241,16 +258,8 @@ def _factored_row_dot(
     sub-block of SUB weights. Element ``8 w + j`` of word ``w`` sits in byte ``j // 2`` (little-endian), in the high
     nibble for even ``j``: shift ``8 (j // 2) + 4 (1 - j % 2)``.
     """
-    NB: tl.constexpr = BLOCK_K // SUB
-    mask_n = offs_n < N
-    rows = offs_n.to(tl.int64)
-    sub_start = k0 + tl.arange(0, NB) * SUB
-    block_idx = rows[:, None] * (K // BLOCKSIZE) + (sub_start // BLOCKSIZE)[None, :]
-    scale_mask = mask_n[:, None] & (sub_start < k_end)[None, :]
-    scale = decode_absmax(
-        raw_scale, block_idx, scale_mask, nested_code_ptr, nested_absmax_ptr, offset_ptr, NESTED, NESTED_BLOCKSIZE,
-        MUL_RN,
-    )  # (BLOCK_N, NB)
+    scale = _sub_block_scales(raw_scale, nested_code_ptr, nested_absmax_ptr, offset_ptr, offs_n, k0, k_end, N, K,
+                              BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB, BLOCK_K // SUB, MUL_RN)  # (BLOCK_N, NB)
     j = tl.arange(0, 8)
     shifts = (j // 2) * 8 + (1 - j % 2) * 4
     values = _lookup_codes(words[:, :, :, None] >> shifts[None, None, None, :], lane_entry, code_ptr, SHUFFLE_LUT)
