@@ -3,7 +3,8 @@
 - ``launch.py``: the low-overhead launch helper and grid utilities;
 - ``jit.py``: ``@triton.jit`` helpers shared by the kernels (format decoding, rounding);
 - ``dequant.py``: the dequant kernels and their launchers;
-- ``small_m_kernel.py`` / ``small_m.py``: the fused small-M (decode) kernel and its launcher;
+- ``small_m_kernel.py`` / ``small_m_lora.py`` / ``small_m.py``: the fused small-M (decode) kernel, its LoRA half
+  (``xa`` in chunks, the epilogue) and its launcher;
 - ``swiglu.py``: ``silu(gate) * up`` and its backward (the fused MLP down projection's elementwise half);
 - ``tuning.py``: the small-M tuning table (no Triton).
 
