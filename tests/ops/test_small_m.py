@@ -221,6 +221,20 @@ def test_lora_down_projection_in_chunks(kind, m, config, dtype, atol, rtol, k):
     assert torch.equal(y, small_m_linear_tiled(x, weight, bias, lx, a, b, 0.75, config))
 
 
+def test_heuristic_tiles_any_row_count_on_a_gpu(monkeypatch):
+    """The heuristic's GPU branch (SM count stubbed, no GPU needed): zero rows (an empty batch reaches pick_config
+    before the launcher returns early) must not divide by zero; the M = 1 4-bit tile is one warp."""
+    from peft_fastlora.ops.kernels import small_m
+
+    monkeypatch.setattr(small_m, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    for m in (0, 1, 5, 40):
+        config = small_m.heuristic_config(m, 40, 192, cuda)
+        assert config.split_k >= 1 and config.use_dot == (m > 1)
+    assert small_m.heuristic_config(1, 4096, 4096, cuda).num_warps == 1
+    assert small_m.heuristic_config(1, 4096, 4096, cuda, "int8").num_warps == 4
+
+
 def test_xa_chunking_never_needs_more_programs_than_there_are():
     for k in (16, 33, 192, 640, 4096, 14336, 14337):
         for programs in (1, 2, 3, 7, 16, 1024):

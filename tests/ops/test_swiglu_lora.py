@@ -51,8 +51,9 @@ def test_backward_twin_is_autograd_of_the_forward_twin():
 
 
 def fused_and_reference(lead, n, k, kind, x_dtype, adapter_dtype, bias=True):
-    weight = make_weight(kind, n, k)
-    _, b, a, bb, _ = make_inputs(lead, n, k, x_dtype, adapter_dtype, requires_grad=True, bias=bias)
+    """CPU tensors: the callers test the interpreted Triton path (``force_triton``) or the CPU reference path."""
+    weight = make_weight(kind, n, k, device="cpu")
+    _, b, a, bb, _ = make_inputs(lead, n, k, x_dtype, adapter_dtype, requires_grad=True, bias=bias, device="cpu")
     if b is not None:
         b.requires_grad_()
     gate = (torch.randn(*lead, k) * 2).to(x_dtype).requires_grad_()

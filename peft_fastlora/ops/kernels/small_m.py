@@ -93,7 +93,7 @@ def heuristic_config(m: int, n: int, k: int, device: torch.device, kind: str = "
     block_k = min(block_k, max(16, next_power_of_2(k)))
     if device.type != "cuda":  # the interpreter: fewest programs is fastest
         return SmallMConfig(use_dot=m > 1, block_n=min(block_n, max(16, next_power_of_2(n))), block_k=block_k)
-    tiles = cdiv(n, block_n) * cdiv(m, block_m)
+    tiles = max(1, cdiv(n, block_n) * cdiv(m, block_m))  # zero rows: a call that launches nothing
     k_tiles = cdiv(k, block_k)
     split_k = max(1, min(cdiv(per_sm * _sm_count(device.index or 0), tiles), k_tiles, 16))
     return SmallMConfig(use_dot=m > 1, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps)
