@@ -1,11 +1,15 @@
-"""Greedy generation with the adapter active: eager ``generate`` and the compiled decode step (static KV cache,
-``torch.compile(mode="reduce-overhead")``: CUDA graphs), on a Llama-3-8B-shaped model (8 decoder layers).
+"""Greedy generation with the adapter active on a Llama-3-8B-shaped model (8 decoder layers), in three modes:
+``eager`` (``model.generate``), ``compiled`` (``generate`` with the decode step compiled by
+``peft_fastlora.compile_for_generation``: static KV cache, ``torch.compile(mode="reduce-overhead")``) and ``graphed``
+(``peft_fastlora.graphed_generate``: ``--steps-per-graph`` decode steps recorded as one CUDA graph and replayed;
+``graphed-compiled`` compiles the one-token forward before recording it).
 
 Providers: ``bf16-lora`` (PEFT LoRA, unquantized bf16), ``peft-bnb-nf4`` (PEFT LoRA on bitsandbytes nf4) and
 ``fastlora-nf4`` (FastLoRA on the same nf4 model), each ``eager`` and ``compiled``, at the given batch sizes. Every
 provider runs in this process one after the other (only speed is compared here; Unsloth's generation, which patches
 transformers, is measured by ``bench_train_step.py --providers unsloth-nf4`` in its own process). For the compiled
-mode the script reports graph breaks and CUDA-graph skips, and checks that the compiled tokens equal the eager ones.
+mode the script reports graph breaks and CUDA-graph skips; the compiled and graphed tokens are compared with the
+eager ones (``same_tokens_as_eager``).
 
 GPU:  python benchmarks/bench_generate.py --out benchmarks/results/generate
 """
@@ -25,7 +29,8 @@ import torch
 
 PROVIDERS = ["bf16-lora", "peft-bnb-nf4", "fastlora-nf4"]  # rows of bench_train_step.PROVIDERS
 COLUMNS = ["provider", "mode", "batch", "prompt", "new_tokens", "repeats", "tokens_per_s", "ratio_to_peft_bnb_eager",
-           "same_tokens_as_eager", "graph_breaks", "cudagraph_skips", "status", "error"]  # fmt: skip
+           "same_tokens_as_eager", "same_tokens_as_compiled", "graph_breaks", "cudagraph_skips", "status",
+           "error"]  # fmt: skip
 
 
 def wrap(model, provider: str):
@@ -39,7 +44,14 @@ def wrap(model, provider: str):
     return model.eval()
 
 
-def generate(model, prompt, new_tokens: int, static: bool):
+def generate(model, prompt, new_tokens: int, mode: str, steps_per_graph: int = 16):
+    if mode.startswith("graphed"):
+        import peft_fastlora
+
+        return peft_fastlora.graphed_generate(model, prompt, max_new_tokens=new_tokens, ignore_eos=True,
+                                              steps_per_graph=steps_per_graph,
+                                              compile_step=mode == "graphed-compiled")  # fmt: skip
+    static = mode == "compiled"
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                   attention_mask=torch.ones_like(prompt))  # fmt: skip
     if static:
@@ -48,25 +60,25 @@ def generate(model, prompt, new_tokens: int, static: bool):
         return model.generate(input_ids=prompt, **kwargs)
 
 
-def timed(model, prompt, new_tokens, static, repeats) -> tuple[float, torch.Tensor]:
+def timed(model, prompt, new_tokens, mode, repeats, steps_per_graph) -> tuple[float, torch.Tensor]:
     rates, out = [], None
     for _ in range(repeats):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        out = generate(model, prompt, new_tokens, static)
+        out = generate(model, prompt, new_tokens, mode, steps_per_graph)
         torch.cuda.synchronize()
         rates.append(prompt.shape[0] * new_tokens / (time.perf_counter() - start))
     return statistics.median(rates), out
 
 
-def profile_generate(model, prompt, new_tokens: int, static: bool, path: Path) -> None:
+def profile_generate(model, prompt, new_tokens: int, mode: str, path: Path, steps_per_graph: int) -> None:
     """One profiled ``generate``: where the GPU idles (``_common.timeline_lines``) and the top-15 kernels."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        generate(model, prompt, new_tokens, static)
+        generate(model, prompt, new_tokens, mode, steps_per_graph)
         torch.cuda.synchronize()
     kernels: dict[str, list] = {}
     for evt in prof.events():
@@ -88,7 +100,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/generate"))
     p.add_argument("--providers", default=",".join(PROVIDERS))
-    p.add_argument("--modes", default="eager,compiled")
+    p.add_argument("--modes", default="eager,compiled,graphed")
+    p.add_argument("--steps-per-graph", type=int, default=16, help="decode steps per graph replay (graphed mode)")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -124,28 +137,34 @@ def main(argv=None) -> int:
                     try:
                         torch.manual_seed(batch)
                         prompt = torch.randint(3, config.vocab_size, (batch, args.prompt_len), device=device)
-                        static = mode == "compiled"
-                        generate(model, prompt, args.new_tokens, static)  # compile / record the graphs
-                        generate(model, prompt, args.new_tokens, static)
-                        rate, out = timed(model, prompt, args.new_tokens, static, args.repeats)
+                        spg = args.steps_per_graph
+                        generate(model, prompt, args.new_tokens, mode, spg)  # compile / record the graphs
+                        generate(model, prompt, args.new_tokens, mode, spg)
+                        rate, out = timed(model, prompt, args.new_tokens, mode, args.repeats, spg)
                         row.update(tokens_per_s=rate, status="ok")
-                        if mode == "compiled":
+                        if mode != "eager":
                             eager = next((r for r in rows if r["provider"] == provider and r["mode"] == "eager"
                                           and r["batch"] == batch and "tokens" in r), None)  # fmt: skip
                             if eager is not None:
                                 row["same_tokens_as_eager"] = bool(torch.equal(eager["tokens"], out.cpu()))
+                            compiled = next((r for r in rows if r["provider"] == provider and r["mode"] == "compiled"
+                                             and r["batch"] == batch and "tokens" in r), None)  # fmt: skip
+                            if mode.startswith("graphed") and compiled is not None:  # both decode over a static cache
+                                row["same_tokens_as_compiled"] = bool(torch.equal(compiled["tokens"], out.cpu()))
+                        if mode == "compiled":
                             row["graph_breaks"] = sum(counters["graph_break"].values())
                             row["cudagraph_skips"] = counters["inductor"].get("cudagraph_skips", 0)
                         row["tokens"] = out.cpu()
                         if args.profile:
                             path = args.out / f"profile_{provider}_{mode}_b{batch}.txt"
-                            profile_generate(model, prompt, args.new_tokens, static, path)
+                            profile_generate(model, prompt, args.new_tokens, mode, path, spg)
                     except Exception as err:
                         row.update(status="oom" if C.is_oom(err) else "error", error=C.short_error(err))
                     rows.append(row)
                     log.append(row)
                     print(f"  {provider:14s} {mode:8s} batch {batch:3d}: {C.fmt(row.get('tokens_per_s'), 4)} tok/s "
-                          f"same-tokens={row.get('same_tokens_as_eager')} breaks={row.get('graph_breaks')} "
+                          f"same-tokens={row.get('same_tokens_as_eager')}/{row.get('same_tokens_as_compiled')} "
+                          f"breaks={row.get('graph_breaks')} "
                           f"skips={row.get('cudagraph_skips')} {row['status']} {row.get('error') or ''}", flush=True)
                 del model
                 C.free_memory(device)

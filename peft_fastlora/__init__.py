@@ -16,6 +16,7 @@ from .dtypes import ADAPTER_DTYPE_POLICIES, resolve_adapter_dtype
 from .export import export_lora, load_lora_as_fastlora
 from .fast_path import FastPathReport, enable_fast_path
 from .generation import compile_for_generation, restore_eager_generation
+from .graphed_decode import graphed_generate
 from .guard import overflow_report
 from .layer import FastLoraLayer
 from .model import FastLoraModel
@@ -42,6 +43,7 @@ __all__ = [
     "compile_for_generation",
     "enable_fast_path",
     "export_lora",
+    "graphed_generate",
     "load_lora_as_fastlora",
     "overflow_report",
     "prepare_for_fsdp",

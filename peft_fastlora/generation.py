@@ -17,7 +17,7 @@ from torch import nn
 
 from .fast_path import transformers_model
 
-_EAGER_FORWARD = "_fastlora_eager_forward"
+EAGER_FORWARD = "_fastlora_eager_forward"  # the forward compile_for_generation replaced
 
 
 def compile_for_generation(
@@ -36,7 +36,7 @@ def compile_for_generation(
         generation's; call [`restore_eager_generation`] to undo (before training again, for example).
     """
     hf_model = transformers_model(model)
-    if _EAGER_FORWARD in hf_model.__dict__:
+    if EAGER_FORWARD in hf_model.__dict__:
         return model
     eager = hf_model.forward
     options = {"fullgraph": True, "dynamic": False, **compile_kwargs}
@@ -56,7 +56,7 @@ def compile_for_generation(
             outputs.logits = outputs.logits.clone()  # generate keeps the logits past the next replay
         return outputs
 
-    hf_model.__dict__[_EAGER_FORWARD] = eager
+    hf_model.__dict__[EAGER_FORWARD] = eager
     hf_model.forward = forward
     hf_model.generation_config.cache_implementation = "static"
     return model
@@ -65,7 +65,7 @@ def compile_for_generation(
 def restore_eager_generation(model: nn.Module) -> nn.Module:
     """Undoes [`compile_for_generation`]: eager forward, and the default (dynamic) KV cache."""
     hf_model = transformers_model(model)
-    eager = hf_model.__dict__.pop(_EAGER_FORWARD, None)
+    eager = hf_model.__dict__.pop(EAGER_FORWARD, None)
     if eager is not None:
         del hf_model.forward
         hf_model.generation_config.cache_implementation = None
