@@ -2,6 +2,7 @@
 
     python examples/generate.py --adapter /tmp/fastlora/sft --prompt "Name the largest ocean."
     python examples/generate.py --adapter ~/fastlora/qwen-sft --merge   # merge losslessly into an unquantized model
+    python examples/generate.py --adapter /tmp/fastlora/sft --graphed   # decode as CUDA-graph replays (GPU)
 
 The base model defaults to the ``base_model_name_or_path`` recorded in the adapter's ``adapter_config.json`` (for
 the tiny model of ``train_sft.py``, the ``tiny-base`` folder it saved). It is loaded the way it was quantized for
@@ -31,7 +32,7 @@ from peft import PeftModel
 from train_sft import PROMPT_TEMPLATE, build_char_tokenizer, char_tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-import peft_fastlora  # noqa: F401  (registers PeftType.FASTLORA, so PeftModel can load FastLoRA adapters)
+import peft_fastlora  # registers PeftType.FASTLORA, so PeftModel can load FastLoRA adapters
 from peft_fastlora.model_card import read_facts
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -45,6 +46,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--prompt", default="Name the largest ocean.", help="The instruction to answer.")
     parser.add_argument("--raw", action="store_true", help="Feed --prompt as is, without the SFT prompt template.")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="Tokens to generate.")
+    parser.add_argument("--graphed", action="store_true",
+                        help="Decode with peft_fastlora.graphed_generate (CUDA graphs on a GPU) instead of generate.")
     card = " (default: as the adapter's model card records)"
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true", help="bf16 model and compute dtype" + card + ".")
@@ -188,13 +191,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     tokenizer = load_tokenizer(args.adapter, args.base, vocab_size)
     text = args.prompt if args.raw else PROMPT_TEMPLATE.format(instruction=args.prompt)
     inputs = tokenizer(text, return_tensors="pt").to(device)
-    with torch.inference_mode():
-        output = model.generate(
-            **inputs,
-            max_new_tokens=args.max_new_tokens,
-            do_sample=False,
-            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-        )
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if args.graphed:  # the decode loop replayed as CUDA graphs on a GPU (the same loop, eagerly, on a CPU)
+        output = peft_fastlora.graphed_generate(
+            model, inputs["input_ids"], inputs.get("attention_mask"), max_new_tokens=args.max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=pad,
+        )  # fmt: skip
+    else:
+        with torch.inference_mode():
+            output = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad)
     completion = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     print(text + completion)
 

@@ -88,7 +88,7 @@ def graphed_generate(
         cuda_graphs (`bool`, *optional*): Record and replay CUDA graphs; defaults to `True` on CUDA. With `False` the
             same decode loop runs eagerly (on any device).
         compile_step (`bool`, *optional*, defaults to `False`): Compile the one-token forward with ``torch.compile``
-            (``fullgraph=True``; Inductor fuses the norms, the rotary embedding and the elementwise operations
+            (Inductor fuses the norms, the rotary embedding and the elementwise operations
             between the linear layers) before recording it. The first call per batch size compiles (tens of seconds
             for a Llama-3-8B-sized model); the prompt's forward is not compiled.
 
@@ -204,7 +204,8 @@ def _model_call(hf_model: nn.Module, compile_step: bool) -> Callable:
     on as the attention implementation takes a ready 4-D mask (bool for sdpa, additive for eager: transformers then
     builds none of its own, and its mask code reads the padding on the host). The cache argument is
     ``past_key_values`` in transformers up to 5.2x and ``cache`` later. With ``compile_step`` one-token calls run
-    the compiled forward (kept on the model: compiled once per batch size)."""
+    the compiled forward (kept on the model: compiled once per batch size). Not ``fullgraph``: a graph break (Liger's
+    RoPE is excluded from compilation) costs host time only, and the recording replays both sides of it."""
     params = inspect.signature(hf_model.forward).parameters
     cache_arg = "cache" if "cache" in params else "past_key_values"
     additive = hf_model.config._attn_implementation == "eager"
@@ -216,7 +217,7 @@ def _model_call(hf_model: nn.Module, compile_step: bool) -> Callable:
     if compile_step:
         compiled = hf_model.__dict__.get(_COMPILED)
         if compiled is None:
-            compiled = hf_model.__dict__[_COMPILED] = torch.compile(eager, fullgraph=True, dynamic=False)
+            compiled = hf_model.__dict__[_COMPILED] = torch.compile(eager, dynamic=False)
 
     def call(ids, visible, positions, cache):
         mask = visible

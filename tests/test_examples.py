@@ -116,6 +116,14 @@ def test_generate_with_train_sft_adapter(sft_adapter, tmp_path, merge):
 
 
 @pytest.mark.slow
+def test_generate_graphed_gives_the_same_text(sft_adapter, tmp_path):
+    args = ["--adapter", str(sft_adapter), "--max-new-tokens", "6", "--prompt", "What is 7 times 8?"]
+    plain = run_example("generate.py", *args, cwd=tmp_path)
+    graphed = run_example("generate.py", *args, "--graphed", cwd=tmp_path)
+    assert graphed.stdout == plain.stdout and "### Response:\n" in plain.stdout
+
+
+@pytest.mark.slow
 def test_generate_with_quickstart_adapter(tmp_path):
     if not (EXAMPLES / "quickstart.py").is_file():
         pytest.skip("examples/quickstart.py is not in this checkout")
