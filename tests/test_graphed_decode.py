@@ -43,6 +43,12 @@ def _left_padded(rows=3, seq=7, seed=3, device="cpu"):
     return ids.to(device), mask.to(device)
 
 
+def _seeded_samples(model, ids, mask, seed, **kwargs):
+    """A sampled (temperature 5: far from greedy) graphed_generate after ``torch.manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    return peft_fastlora.graphed_generate(model, ids, mask, ignore_eos=True, do_sample=True, temperature=5.0, **kwargs)
+
+
 def _generate(model, ids, mask, new, **kwargs):
     kwargs = {"do_sample": False, "pad_token_id": 0, "cache_implementation": "static", **kwargs}
     with torch.no_grad():
@@ -110,12 +116,8 @@ def test_sampling_top_k_1_is_greedy_and_seeded_runs_repeat(fastlora_cpu):
     top1 = peft_fastlora.graphed_generate(fastlora_cpu, ids, mask, max_new_tokens=6, ignore_eos=True, do_sample=True,
                                           top_k=1)  # fmt: skip
     assert torch.equal(top1, greedy)
-    runs = []
-    for _ in range(2):
-        torch.manual_seed(11)
-        runs.append(peft_fastlora.graphed_generate(fastlora_cpu, ids, mask, max_new_tokens=6, ignore_eos=True,
-                                                   do_sample=True, temperature=5.0))  # fmt: skip
-    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], greedy)
+    first, second = (_seeded_samples(fastlora_cpu, ids, mask, 11, max_new_tokens=6) for _ in range(2))
+    assert torch.equal(first, second) and not torch.equal(first, greedy)
 
 
 @pytest.mark.parametrize(
@@ -201,12 +203,8 @@ def test_gpu_eos_and_sampling_in_graphs(tiny_llama_path):
     got = peft_fastlora.graphed_generate(model, ids, mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=1,
                                          steps_per_graph=3)  # fmt: skip
     assert torch.equal(got, expected)
-    runs = []
-    for _ in range(2):
-        torch.manual_seed(4)
-        runs.append(peft_fastlora.graphed_generate(model, ids, mask, max_new_tokens=12, ignore_eos=True,
-                                                   do_sample=True, temperature=5.0, steps_per_graph=3))  # fmt: skip
-    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], free)
+    first, second = (_seeded_samples(model, ids, mask, 4, max_new_tokens=12, steps_per_graph=3) for _ in range(2))
+    assert torch.equal(first, second) and not torch.equal(first, free)
 
 
 @pytest.mark.gpu
