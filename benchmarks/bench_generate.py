@@ -1,11 +1,11 @@
-"""Greedy generation with the adapter active on a Llama-3-8B-shaped model (8 decoder layers), in three modes:
+"""Greedy generation with the adapter active on a Llama-3-8B-shaped model (8 decoder layers), in four modes:
 ``eager`` (``model.generate``), ``compiled`` (``generate`` with the decode step compiled by
-``peft_fastlora.compile_for_generation``: static KV cache, ``torch.compile(mode="reduce-overhead")``) and ``graphed``
-(``peft_fastlora.graphed_generate``: ``--steps-per-graph`` decode steps recorded as one CUDA graph and replayed;
-``graphed-compiled`` compiles the one-token forward before recording it).
+``peft_fastlora.compile_for_generation``: static KV cache, ``torch.compile(mode="reduce-overhead")``), ``graphed``
+(``peft_fastlora.graphed_generate``: the prompt and ``--steps-per-graph`` decode steps recorded as CUDA graphs and
+replayed) and ``graphed-compiled`` (the same with the one-token forward compiled before it is recorded).
 
 Providers: ``bf16-lora`` (PEFT LoRA, unquantized bf16), ``peft-bnb-nf4`` (PEFT LoRA on bitsandbytes nf4) and
-``fastlora-nf4`` (FastLoRA on the same nf4 model), each ``eager`` and ``compiled``, at the given batch sizes. Every
+``fastlora-nf4`` (FastLoRA on the same nf4 model), each in every mode of ``--modes``, at the given batch sizes. Every
 provider runs in this process one after the other (only speed is compared here; Unsloth's generation, which patches
 transformers, is measured by ``bench_train_step.py --providers unsloth-nf4`` in its own process). For the compiled
 mode the script reports graph breaks and CUDA-graph skips; the compiled and graphed tokens are compared with the
@@ -100,8 +100,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/generate"))
     p.add_argument("--providers", default=",".join(PROVIDERS))
-    p.add_argument("--modes", default="eager,compiled,graphed")
-    p.add_argument("--steps-per-graph", type=int, default=16, help="decode steps per graph replay (graphed mode)")
+    p.add_argument("--modes", default="eager,compiled,graphed,graphed-compiled")
+    p.add_argument("--steps-per-graph", type=int, default=16, help="decode steps per graph replay (graphed modes)")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
