@@ -18,6 +18,9 @@ from torch import nn
 from .fast_path import transformers_model
 
 EAGER_FORWARD = "_fastlora_eager_forward"  # the forward compile_for_generation replaced
+# What graphed_generate keeps on the model: the recorded decoder (graphs, KV cache) and the compiled one-token forward.
+GRAPHED_DECODER, GRAPHED_COMPILED_STEP = "_fastlora_graphed_decoder", "_fastlora_compiled_decode_step"
+GRAPHED_STATE = (GRAPHED_DECODER, GRAPHED_COMPILED_STEP)
 
 
 def compile_for_generation(
@@ -63,8 +66,11 @@ def compile_for_generation(
 
 
 def restore_eager_generation(model: nn.Module) -> nn.Module:
-    """Undoes [`compile_for_generation`]: eager forward, and the default (dynamic) KV cache."""
+    """Undoes [`compile_for_generation`]: eager forward, and the default (dynamic) KV cache. Also frees what
+    [`graphed_generate`] keeps on the model between calls (its recorded graphs, KV cache and compiled step)."""
     hf_model = transformers_model(model)
+    for key in GRAPHED_STATE:
+        hf_model.__dict__.pop(key, None)
     eager = hf_model.__dict__.pop(EAGER_FORWARD, None)
     if eager is not None:
         del hf_model.forward

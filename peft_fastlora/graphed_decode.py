@@ -22,10 +22,11 @@ import torch
 from torch import nn
 
 from .fast_path import transformers_model
-from .generation import EAGER_FORWARD
+from .generation import EAGER_FORWARD, GRAPHED_COMPILED_STEP, GRAPHED_DECODER
 
-_STATE = "_fastlora_graphed_decoder"  # the recorded decoder, kept on the transformers model between calls
-_COMPILED = "_fastlora_compiled_decode_step"  # the compiled one-token forward (compile_step=True)
+# Kept on the transformers model between calls (restore_eager_generation frees them): the recorded decoder, and the
+# compiled one-token forward of compile_step=True.
+_STATE, _COMPILED = GRAPHED_DECODER, GRAPHED_COMPILED_STEP
 
 
 @dataclass
@@ -66,7 +67,8 @@ def graphed_generate(
     ``"sdpa"`` or ``"eager"`` attention implementation: FastLoRA, PEFT LoRA, bitsandbytes or unquantized. Greedy
     tokens equal ``model.generate(..., do_sample=False, cache_implementation="static")``'s. The first call of each
     (batch, prompt length, ``max_new_tokens``, sampling) setting records the graph; later calls replay it, until a
-    parameter of the model is replaced (e.g. by merging an adapter), which records it again.
+    parameter of the model is replaced (e.g. by merging an adapter), which records it again. The recorded graphs and
+    KV cache of the last setting stay on the model; [`restore_eager_generation`] frees them.
 
     Args:
         model (`nn.Module`): A transformers causal LM or a `PeftModel` wrapping one, on the device of ``input_ids``.

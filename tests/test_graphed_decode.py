@@ -94,6 +94,8 @@ def test_decoder_is_reused_and_follows_adapter_state(fastlora_cpu):
         got = peft_fastlora.graphed_generate(fastlora_cpu, ids, mask, max_new_tokens=5, ignore_eos=True)
         assert fastlora_cpu.get_base_model().__dict__[_STATE] is not decoder  # a new setting: adapters off
     assert torch.equal(got, expected) and not torch.equal(got, first)
+    peft_fastlora.restore_eager_generation(fastlora_cpu)  # frees the kept decoder
+    assert _STATE not in fastlora_cpu.get_base_model().__dict__
 
 
 @pytest.mark.parametrize("temperature, top_k", [(1.0, None), (0.7, None), (1.3, 3)])
