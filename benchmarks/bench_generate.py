@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 import _common as C
 import bench_train_step as B
@@ -69,6 +70,12 @@ def timed(model, prompt, new_tokens, mode, repeats, steps_per_graph) -> tuple[fl
         torch.cuda.synchronize()
         rates.append(prompt.shape[0] * new_tokens / (time.perf_counter() - start))
     return statistics.median(rates), out
+
+
+def same_tokens(rows: list[dict], out: torch.Tensor, provider: str, batch: int, mode: str) -> Optional[bool]:
+    """Whether ``out`` equals the tokens of the ``mode`` row of the same provider and batch (None without one)."""
+    ref = C.find_row(rows, provider=provider, mode=mode, batch=batch)
+    return None if ref is None or "tokens" not in ref else bool(torch.equal(ref["tokens"], out.cpu()))
 
 
 def profile_generate(model, prompt, new_tokens: int, mode: str, path: Path, steps_per_graph: int) -> None:
@@ -143,14 +150,9 @@ def main(argv=None) -> int:
                         rate, out = timed(model, prompt, args.new_tokens, mode, args.repeats, spg)
                         row.update(tokens_per_s=rate, status="ok")
                         if mode != "eager":
-                            eager = next((r for r in rows if r["provider"] == provider and r["mode"] == "eager"
-                                          and r["batch"] == batch and "tokens" in r), None)  # fmt: skip
-                            if eager is not None:
-                                row["same_tokens_as_eager"] = bool(torch.equal(eager["tokens"], out.cpu()))
-                            compiled = next((r for r in rows if r["provider"] == provider and r["mode"] == "compiled"
-                                             and r["batch"] == batch and "tokens" in r), None)  # fmt: skip
-                            if mode.startswith("graphed") and compiled is not None:  # both decode over a static cache
-                                row["same_tokens_as_compiled"] = bool(torch.equal(compiled["tokens"], out.cpu()))
+                            row["same_tokens_as_eager"] = same_tokens(rows, out, provider, batch, "eager")
+                        if mode.startswith("graphed"):  # both decode over a static cache
+                            row["same_tokens_as_compiled"] = same_tokens(rows, out, provider, batch, "compiled")
                         if mode == "compiled":
                             row["graph_breaks"] = sum(counters["graph_break"].values())
                             row["cudagraph_skips"] = counters["inductor"].get("cudagraph_skips", 0)

@@ -145,7 +145,7 @@ def graphed_generate(
                 done_steps += 1
         hf_model.__dict__[_STATE] = decoder
         out = decoder.tokens[:, : prompt_len + min(done_steps, wanted)].clone()
-    return _trim_finished(out, prompt_len, stop_ids, pad_token_id)
+    return _trim_finished(out, prompt_len, decoder.stop_ids)
 
 
 def _check_arguments(hf_model, input_ids, attention_mask, max_new_tokens, temperature, top_k, steps_per_graph):
@@ -331,12 +331,12 @@ def _warm_up_and_record(warm_up: Callable[[], None], record: Callable[[], None],
     return graph
 
 
-def _trim_finished(out: torch.Tensor, prompt_len: int, stop_ids, pad_token_id: int) -> torch.Tensor:
+def _trim_finished(out: torch.Tensor, prompt_len: int, stop_ids: Optional[torch.Tensor]) -> torch.Tensor:
     """Drops the trailing columns in which every row had already finished, as ``generate`` stops there."""
     if stop_ids is None or out.shape[1] == prompt_len:
         return out
     new = out[:, prompt_len:]
-    stop = torch.isin(new, torch.tensor(stop_ids, device=out.device))
+    stop = torch.isin(new, stop_ids)
     finished_before = (stop.long().cumsum(dim=1) - stop.long()) > 0  # a stop token earlier in the row
     live = (~finished_before).any(dim=0)
     keep = int(live.nonzero().max()) + 1 if bool(live.any()) else 0
