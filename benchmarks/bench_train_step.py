@@ -543,7 +543,7 @@ def run_unsloth(args, out: Path, generate: bool) -> tuple[list[dict], list[dict]
     env = dict(os.environ, LAYERS=str(args.layers or LLAMA3_8B_8_LAYERS["num_hidden_layers"]),
                BATCH=",".join(map(str, args.batches)), STEPS=str(args.steps), OUT=str(out),
                GC=",".join(gc_modes[c] for c in args.ckpts), GEN="1" if generate else "0",
-               LORA_BF16="1")  # fmt: skip
+               GEN_REPEATS=str(args.gen_repeats), LORA_BF16="1")  # fmt: skip
     print("\n== unsloth-nf4: its own process ==", flush=True)
     subprocess.run([sys.executable, str(UNSLOTH_SCRIPT)], env=env, check=False)
     path = out / "unsloth.json"
@@ -553,7 +553,7 @@ def run_unsloth(args, out: Path, generate: bool) -> tuple[list[dict], list[dict]
     for r in found:
         if r.get("phase") == "gen":
             ok = "gen_tok_s" in r
-            gen_rows.append(dict(provider_fields("unsloth-nf4"), prompt=64, new_tokens=128, repeats=1,
+            gen_rows.append(dict(provider_fields("unsloth-nf4"), prompt=64, new_tokens=128, repeats=args.gen_repeats,
                                  seconds=r.get("gen_s"), tokens_per_s=r.get("gen_tok_s"),
                                  status="ok" if ok else "error", error=None if ok else r.get("error")))  # fmt: skip
             continue

@@ -6,7 +6,7 @@ so its rows compare with the peft-nf4 / bf16 rows there. Offline: builds the mod
 
 Env (all optional):
   LAYERS=8  BATCH=1,4 (comma list)  STEPS=8  GC=False,unsloth,True (comma list; 0/1 accepted)
-  GEN=1 (greedy decode, last, on a freshly loaded model)  LORA_BF16=1 (cast trainable params to bf16 as the reference loop does;
+  GEN=1 (greedy decode, last, on a freshly loaded model)  GEN_REPEATS=1 (timed generates; the median is reported)  LORA_BF16=1 (cast trainable params to bf16 as the reference loop does;
   0 keeps Unsloth's own fp32 LoRA weights)  BUDGET_S=520 (skip phases that would start after this many seconds)
   OUT=<dir> (writes unsloth.json = rows, unsloth_env.json = versions/preflight/tracebacks)
 Every phase runs in try/except and prints its full traceback, so one failure does not hide the others.
@@ -33,6 +33,7 @@ STEPS, WARM = int(os.environ.get("STEPS", "8")), 3
 _GCMAP = {"0": False, "false": False, "1": True, "true": True, "unsloth": "unsloth"}
 GCS = [_GCMAP.get(g.strip().lower(), g.strip()) for g in os.environ.get("GC", "False,unsloth,True").split(",") if g.strip()]
 GEN = os.environ.get("GEN", "1") == "1"
+GEN_REPEATS = max(1, int(os.environ.get("GEN_REPEATS", "1")))
 LORA_BF16 = os.environ.get("LORA_BF16", "1") == "1"
 BUDGET_S = float(os.environ.get("BUDGET_S", "520"))
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -333,10 +334,14 @@ def generate(FLM, model):
     # would otherwise mask any random token equal to 3
     kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=128, min_new_tokens=128, do_sample=False)
     out = model.generate(input_ids=x, **kw)
-    torch.cuda.synchronize(); t = time.perf_counter()
-    out = model.generate(input_ids=x, **kw)
-    torch.cuda.synchronize(); dt = time.perf_counter() - t
-    return dict(provider=PROVIDER, phase="gen", gen_tok_s=128 / dt, gen_s=dt, out_len=int(out.shape[-1]))
+    times = []
+    for _ in range(GEN_REPEATS):  # eager decoding is host-bound: one generate moves by tens of percent
+        torch.cuda.synchronize(); t = time.perf_counter()
+        out = model.generate(input_ids=x, **kw)
+        torch.cuda.synchronize(); times.append(time.perf_counter() - t)
+    dt = sorted(times)[len(times) // 2]
+    return dict(provider=PROVIDER, phase="gen", gen_tok_s=128 / dt, gen_s=dt, out_len=int(out.shape[-1]),
+                gen_tok_s_each=[round(128 / t, 1) for t in times])
 
 
 def free():

@@ -154,10 +154,16 @@ class FastLoraLinear4bit(FastLoraLayer):
             state = weight.quant_state
         if torch.compiler.is_compiling():  # data_ptr() is opaque to dynamo; compiled graphs don't need the cache
             return packed4bit_from_bnb(weight.data, state)
+        return self.cached_weight(self.weight_key(), lambda: packed4bit_from_bnb(weight.data, state))
+
+    def weight_key(self) -> Optional[tuple]:
+        weight = param(self._base(), "weight")
+        state = getattr(weight, "quant_state", None)
+        if state is None or getattr(state, "packing_format_for_cpu", False):
+            return None
         # Read with Params4bit's __torch_function__ off: it costs a microsecond a tensor attribute, on every call.
         with torch._C.DisableTorchFunctionSubclass():
-            key = (weight.data_ptr(), weight.device, id(state), id(state.absmax))
-        return self.cached_weight(key, lambda: packed4bit_from_bnb(weight.data, state))
+            return (weight.data_ptr(), weight.device, id(state), id(state.absmax))
 
     def configured_compute_dtype(self) -> Optional[torch.dtype]:
         return getattr(self.get_base_layer(), "compute_dtype", None)
@@ -189,10 +195,14 @@ class FastLoraLinear8bit(FastLoraLayer):
         state = base.__dict__.get("state")
         if torch.compiler.is_compiling():
             return int8_from_bnb(weight, state)
-        scb = int8_scales(weight, state)
+        return self.cached_weight(self.weight_key(), lambda: int8_from_bnb(weight, state))
+
+    def weight_key(self) -> Optional[tuple]:
+        base = self._base()
+        weight = param(base, "weight")
+        scb = int8_scales(weight, base.__dict__.get("state"))
         with torch._C.DisableTorchFunctionSubclass():  # as for 4-bit: no __torch_function__ per attribute read
-            key = (weight.data_ptr(), weight.device, None if scb is None else scb.data_ptr())
-        return self.cached_weight(key, lambda: int8_from_bnb(weight, state))
+            return (weight.data_ptr(), weight.device, None if scb is None else scb.data_ptr())
 
     def store_weight(self, weight: torch.Tensor) -> None:
         base = self.get_base_layer()

@@ -47,6 +47,13 @@ FP32_ACTIVATIONS_WARNING = (
 # what makes reusing it worth a cache. The only other memo in the tuner, `_fsdp_wrapper_types`, holds two classes of
 # the installed torch and never changes.
 WEIGHT_CACHE = "_fastlora_weight_cache"
+# The decode lanes: per (input shape, dtype, device), the small-M call prepared by `ops.prepare_small_m_call` for the
+# adapter it was built for, with the layer state it was built in (`FastLoraLayer._lane_state`: everything `forward`
+# reads to choose and feed that call, except the scaling, read per call). A call whose state equals the lane's runs
+# the prepared call; any change (adapter switch, merge, disable, new tensors, dropout on, autocast to another dtype)
+# takes the general path, which builds a new lane. Dropped with the weight cache. At most MAX_LANES shapes.
+DECODE_LANES = "_fastlora_decode_lanes"
+MAX_LANES = 8
 
 
 @functools.cache
@@ -113,13 +120,20 @@ class FastLoraLayer(nn.Module, LoraLayer):
         return cached[1]
 
     def invalidate_weight_cache(self) -> None:
-        """Drops the cached container (call it after changing the base weight in place, e.g. re-viewing it)."""
+        """Drops the cached container and the prepared decode calls (call it after changing the base weight in place,
+        e.g. re-viewing it)."""
         self.__dict__.pop(WEIGHT_CACHE, None)
+        self.__dict__.pop(DECODE_LANES, None)
 
     # ---- backend hooks -----------------------------------------------------------------------------------------------
     def quantized_weight(self) -> QuantizedWeight:
         """The base weight as a plain-tensor container for ``peft_fastlora.ops``."""
         raise NotImplementedError
+
+    def weight_key(self) -> Optional[tuple]:
+        """The identity of the base weight (storage pointer, device, quantization state): what the container cache
+        is keyed by. None when the weight must be repaired first (``quantized_weight`` does that)."""
+        return None
 
     def store_weight(self, weight: torch.Tensor) -> None:
         """Requantizes a full-precision ``(out_features, in_features)`` weight into the base layer."""
@@ -208,6 +222,11 @@ class FastLoraLayer(nn.Module, LoraLayer):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         # Runs once per layer per step (and per decoded token): keep the host work small, it is what the GPU waits on
         # when the batch is small.
+        if not kwargs and not torch.compiler.is_compiling() and not torch.is_grad_enabled():
+            lanes = self.__dict__.get(DECODE_LANES)
+            lane = lanes.get((x.shape, x.dtype, x.device)) if lanes else None
+            if lane is not None and self._lane_state(x, lane[0]) == lane[1]:
+                return lane[2](x, 1.0 if lane[0] is None else self.scaling[lane[0]])
         adapter_names = kwargs.pop("adapter_names", None)
         if adapter_names is not None:
             self._check_forward_args(x, *args, adapter_names=adapter_names, **kwargs)
@@ -232,6 +251,11 @@ class FastLoraLayer(nn.Module, LoraLayer):
             adapters = self._active_present()
         self._restore_adapter_dtypes(adapters)
 
+        lane_ok = adapter_names is None and not guard and not torch.is_grad_enabled()
+        if lane_ok and len(adapters) <= 1 and not (adapters and self.adapters_are_fsdp_units(adapters)):
+            result = self._lane_call(x, weight, bias, adapters[0] if adapters else None)
+            if result is not None:
+                return result
         if adapter_names is not None or not adapters or self.adapters_are_fsdp_units(adapters):
             # Base through the kernels; LoRA through the adapter modules (mixed batches, or FSDP units that only
             # gather their weights inside their own forward).
@@ -257,6 +281,53 @@ class FastLoraLayer(nn.Module, LoraLayer):
         if guard:
             result = clamp_fp16(result, self.overflow_count)
         return result
+
+    # ---- decode lanes (see DECODE_LANES) -------------------------------------------------------------------------
+    def _lane_state(self, x: torch.Tensor, adapter: Optional[str]) -> Optional[tuple]:
+        """What ``forward`` reads to choose and feed a single fused call on ``x`` with ``adapter`` (None: the base
+        alone), other than the shape, dtype and device of ``x`` (the lanes' key); None when no lane may serve it."""
+        weight_key = self.weight_key()
+        if weight_key is None or torch.compiler.is_compiling():
+            return None
+        device_type = x.device.type
+        autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != x.dtype
+        base = self._base()
+        bias = param(base, "bias")
+        active = self._active_adapter
+        lora_a = self._modules["lora_A"]._modules
+        state = (weight_key, None if bias is None else bias.data_ptr(), autocast, self.disable_adapters,
+                 bool(self.merged_adapters), self.overflow_guard and x.dtype == torch.float16,
+                 active if isinstance(active, str) else tuple(active), tuple(lora_a))  # fmt: skip
+        if adapter is None:
+            return state
+        module_a, module_b = lora_a.get(adapter), self._modules["lora_B"]._modules.get(adapter)
+        if module_a is None or module_b is None:
+            return None
+        dropout = self._modules["lora_dropout"]._modules[adapter]
+        weight_a, weight_b = param(module_a, "weight"), param(module_b, "weight")
+        return state + (type(module_a), type(module_b), weight_a.data_ptr(), weight_b.data_ptr(), weight_a.dtype,
+                        weight_b.dtype, type(dropout) is nn.Identity or not dropout.training)  # fmt: skip
+
+    def _lane_call(self, x, weight, bias, adapter: Optional[str]) -> Optional[torch.Tensor]:
+        """Builds the lane for ``x`` and ``adapter`` (see DECODE_LANES) and runs it; None when no lane applies (the
+        caller then takes the general path)."""
+        lora_a = lora_b = None
+        if adapter is not None:
+            dropout = self._modules["lora_dropout"]._modules[adapter]
+            if type(dropout) is not nn.Identity and dropout.training:  # the LoRA branch reads another input than x
+                return None
+            lora_a = param(self._modules["lora_A"]._modules[adapter], "weight")
+            lora_b = param(self._modules["lora_B"]._modules[adapter], "weight")
+        # None off the small-M path, and under autocast to another dtype (the general path casts x first).
+        run = ops.prepare_small_m_call(x, weight, bias, lora_a, lora_b)
+        state = None if run is None else self._lane_state(x, adapter)
+        if state is None:
+            return None
+        lanes = self.__dict__.setdefault(DECODE_LANES, {})
+        if len(lanes) >= MAX_LANES:
+            lanes.clear()
+        lanes[(x.shape, x.dtype, x.device)] = (adapter, state, run)
+        return run(x, 1.0 if adapter is None else self.scaling[adapter])
 
     def _active_present(self) -> list[str]:
         """The active adapters this layer holds (PEFT's ``active_adapters`` property costs more on every call)."""

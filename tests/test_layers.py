@@ -12,6 +12,7 @@ from torch import nn
 import peft_fastlora
 from peft_fastlora.bnb import FastLoraLinear4bit, FastLoraLinear8bit
 from peft_fastlora.ops.reference import dequantize_ref
+from tests.ops.conftest import force_triton  # noqa: F401  (the one force-Triton fixture)
 from tests.utils import fast_config as shared_fast_config
 from tests.utils import load_quantized, logits, tokens
 
@@ -260,3 +261,189 @@ def test_fp32_activations_under_autocast_do_not_warn(tiny_llama_path):
         warnings.simplefilter("always")
         logits(model)
     assert not [w for w in record if "receives float32 activations" in str(w.message)]
+
+
+# ---- decode lanes: the prepared small-M call of no-grad layer calls (layer.py, DECODE_LANES) ------------------------
+def _lane_model(path, quant="nf4", **config):
+    model = get_peft_model(quantized(path, quant), fast_config(**config))
+    model.add_adapter("other", fast_config(r=4, lora_alpha=4))
+    return model.eval()
+
+
+@pytest.fixture
+def prepares(monkeypatch, request):
+    """The Triton path on CPU (interpreter), and the input shape of every decode call the layers prepare."""
+    from peft_fastlora import ops
+
+    request.getfixturevalue("force_triton")
+
+    calls = []
+    real = ops.prepare_small_m_call
+
+    def prepare(x, *args):
+        run = real(x, *args)
+        if run is not None:
+            calls.append(tuple(x.shape))
+        return run
+
+    monkeypatch.setattr(ops, "prepare_small_m_call", prepare)
+    return calls
+
+
+@pytest.mark.parametrize("quant", ["nf4", "nf4-dq", "int8"])
+def test_decode_lane_is_prepared_once_and_matches_the_op(tiny_llama_path, quant, prepares):
+    from peft_fastlora import ops
+    from peft_fastlora.ops.reference import lora_linear_ref
+
+    layer = first_layer(_lane_model(tiny_llama_path, quant))
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    x_dtype = FP16 if quant == "int8" else BF16
+    with torch.no_grad():
+        for seed in range(3):
+            x = torch.randn(2, 1, layer.in_features, dtype=x_dtype, generator=torch.Generator().manual_seed(seed))
+            y = layer(x)
+            op = ops.fastlora_linear(x, layer.quantized_weight(), None, a, b, layer.scaling["default"])
+            assert torch.equal(y, op)  # the same kernel and arguments: bit-identical
+            ref = lora_linear_ref(x.float(), layer.quantized_weight(), None, a.float(), b.float(),
+                                  layer.scaling["default"])  # fmt: skip
+            torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=2e-2)
+    assert prepares == [(2, 1, layer.in_features)]  # built by the first call, reused by the next two
+
+
+def _change(model, layer, change):
+    b = layer.lora_B["default"].weight
+    if change == "lora_b_in_place":  # an optimizer step: the lane reads the new values
+        b.add_(torch.randn_like(b))
+    elif change == "lora_b_replaced":  # new storage: the lane's pointer is stale
+        b.data = b.data + torch.randn_like(b)
+    elif change == "scaling":
+        layer.scaling["default"] = 3.0
+    elif change == "other_adapter":
+        model.set_adapter("other")
+    elif change == "adapters_disabled":
+        layer.enable_adapters(False)
+    elif change == "merged":
+        with pytest.warns(UserWarning, match="requantizes"):
+            layer.merge()
+    elif change == "base_weight_replaced":
+        layer.store_weight(layer.dequantized_weight(FP32) * 1.5)
+    else:
+        raise AssertionError(change)
+
+
+@pytest.mark.parametrize("change", ["lora_b_in_place", "lora_b_replaced", "scaling", "other_adapter",
+                                    "adapters_disabled", "merged", "base_weight_replaced"])  # fmt: skip
+def test_decode_lane_follows_every_layer_change(tiny_llama_path, change, prepares):
+    """After each change, the layer's output equals that of a lane built afresh (and differs from before)."""
+    from peft_fastlora.layer import DECODE_LANES
+
+    model = _lane_model(tiny_llama_path)
+    layer = first_layer(model)
+    x = torch.randn(1, 1, layer.in_features, dtype=BF16)
+    with torch.no_grad():
+        before = layer(x)
+        assert torch.equal(layer(x), before) and len(prepares) == 1
+        _change(model, layer, change)
+        after = layer(x)
+        layer.__dict__.pop(DECODE_LANES)
+        fresh = layer(x)
+    assert torch.equal(after, fresh)
+    assert not torch.equal(after, before)
+    rebuilt = change not in ("lora_b_in_place", "scaling")  # those two keep the lane: values are read per call
+    assert len(prepares) == (3 if rebuilt else 2)  # first call, [after the change,] after the pop
+
+
+@pytest.mark.parametrize("case", ["grad", "dropout_training", "autocast_other_dtype", "adapter_names", "two_adapters"])
+def test_decode_lane_is_not_used_where_the_general_path_differs(tiny_llama_path, case, prepares):
+    from peft_fastlora.layer import DECODE_LANES
+
+    model = _lane_model(tiny_llama_path, lora_dropout=0.5 if case == "dropout_training" else 0.0)
+    layer = first_layer(model)
+    x = torch.randn(2, 1, layer.in_features, dtype=BF16)
+    with torch.no_grad():
+        layer(x)  # a lane for this shape
+    assert len(prepares) == 1
+    if case == "dropout_training":
+        layer.train()
+    if case == "two_adapters":
+        layer.set_adapter(["default", "other"])
+    with torch.set_grad_enabled(case == "grad"), torch.autocast("cpu", dtype=FP16,
+                                                                 enabled=case == "autocast_other_dtype"):  # fmt: skip
+        kwargs = {"adapter_names": ["default", "other"]} if case == "adapter_names" else {}
+        y = layer(x, **kwargs)
+    assert len(prepares) == 1, "no lane may be built or used here"
+    assert len(layer.__dict__[DECODE_LANES]) == 1
+    assert y.dtype == (FP16 if case == "autocast_other_dtype" else BF16) and y.isfinite().all()
+
+
+def test_decode_lanes_per_shape_and_dropped_on_move(tiny_llama_path, prepares):
+    from peft_fastlora.layer import DECODE_LANES, MAX_LANES
+
+    layer = first_layer(_lane_model(tiny_llama_path))
+    with torch.no_grad():
+        for rows in (1, 2, 1, 2):
+            layer(torch.randn(rows, 1, layer.in_features, dtype=BF16))
+        assert prepares == [(1, 1, layer.in_features), (2, 1, layer.in_features)]
+        for rows in range(3, 3 + MAX_LANES):
+            layer(torch.randn(rows, layer.in_features, dtype=BF16))
+    assert len(layer.__dict__[DECODE_LANES]) <= MAX_LANES
+    layer.to("cpu")
+    assert DECODE_LANES not in layer.__dict__
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", ["nf4", "nf4-dq", "int8"])
+def test_decode_lane_on_gpu_equals_the_op_for_any_row_layout(tiny_llama_path, quant):
+    """Compiled kernels: the lane's direct launch, rows of another alignment or stride (the general launch), a CUDA
+    graph of the lane; every output bit-identical to `fastlora_linear` on the same rows."""
+    from peft_fastlora import ops
+
+    layer = first_layer(get_peft_model(quantized(tiny_llama_path, quant), fast_config()).eval())
+    k, dtype = layer.in_features, FP16 if quant == "int8" else BF16
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+
+    def op(x):
+        return ops.fastlora_linear(x, layer.quantized_weight(), None, a, b, layer.scaling["default"])
+
+    wide = torch.randn(2, 2 * k + 1, device="cuda", dtype=dtype)
+    layouts = {
+        "contiguous": lambda: torch.randn(2, k, device="cuda", dtype=dtype),
+        "unaligned": lambda: wide[:, 1 : k + 1],  # 2-byte offset, row stride 2k + 1
+        "strided rows": lambda: wide[:, :k],
+    }
+    with torch.no_grad():
+        for name in ["contiguous", "unaligned", "contiguous", "strided rows", "contiguous"]:
+            wide.normal_()
+            x = layouts[name]()
+            assert torch.equal(layer(x), op(x)), name
+        static_x = torch.randn(2, k, device="cuda", dtype=dtype)
+        layer(static_x)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = layer(static_x)
+        for _ in range(2):
+            static_x.normal_()
+            graph.replay()
+            assert torch.equal(static_y, op(static_x))
+
+
+@pytest.mark.gpu
+def test_eager_generate_with_decode_lanes_equals_the_general_path(tiny_llama_path, monkeypatch):
+    from peft_fastlora import ops
+    from peft_fastlora.layer import DECODE_LANES
+
+    model = get_peft_model(quantized(tiny_llama_path, "nf4"), fast_config()).eval()
+    ids = tokens().cuda()
+    kwargs = dict(max_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        laned = model.generate(input_ids=ids, **kwargs)
+    assert any(DECODE_LANES in m.__dict__ for m in model.modules())
+    for module in model.modules():
+        module.__dict__.pop(DECODE_LANES, None)
+    monkeypatch.setattr(ops, "prepare_small_m_call", lambda *args: None)
+    with torch.no_grad():
+        general = model.generate(input_ids=ids, **kwargs)
+    assert torch.equal(laned.sequences, general.sequences)
+    for got, expected in zip(laned.scores, general.scores):
+        assert torch.equal(got, expected)

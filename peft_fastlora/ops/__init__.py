@@ -1,6 +1,7 @@
 """The kernels behind FastLoRA layers, reached through one door per op.
 
 - [`fastlora_linear`] and [`dequantize`] (``dispatch.py``) check their arguments once and pick the implementation;
+  [`prepare_small_m_call`] prepares a decode call that repeats with the same shapes;
 - ``quant_state.py``: the weight containers the ops take ([`Packed4bit`], [`Int8Rowwise`]);
 - ``reference.py``: the pure-torch twins (the CPU path);
 - ``lora_linear.py`` and ``custom_ops.py``: the training path's autograd wrapper and the ``torch.library`` ops;
@@ -12,7 +13,7 @@ ops/ never imports peft or bitsandbytes. Caching inside ops/ is documented where
 ``kernels/small_m.py``, the tuning table in ``kernels/tuning.py``; each is keyed by everything it reads.
 """
 
-from .dispatch import FORCE_TRITON_ENV, dequantize, fastlora_linear
+from .dispatch import FORCE_TRITON_ENV, dequantize, fastlora_linear, prepare_small_m_call
 from .lora_linear import LoraLinearFunction
 from .quant_state import Int8Rowwise, Packed4bit, QuantizedWeight
 from .swiglu_lora import SwiGLULoraFunction, swiglu_lora_linear
@@ -26,5 +27,6 @@ __all__ = [
     "SwiGLULoraFunction",
     "dequantize",
     "fastlora_linear",
+    "prepare_small_m_call",
     "swiglu_lora_linear",
 ]

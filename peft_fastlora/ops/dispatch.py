@@ -18,6 +18,7 @@ path below this module takes checked arguments and checks nothing again.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -246,6 +247,39 @@ def fastlora_linear(
     if x.dtype != dtype:
         x = x.to(dtype)
     return without_autocast(device_type, _dispatch, x, weight, bias, lora_a, lora_b, scaling, lora_x)
+
+
+def prepare_small_m_call(
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: Optional[torch.Tensor],
+    lora_a: Optional[torch.Tensor],
+    lora_b: Optional[torch.Tensor],
+) -> Optional[Callable[[torch.Tensor, float], torch.Tensor]]:
+    """A prepared ``fastlora_linear(x, weight, bias, lora_a, lora_b, scaling)`` for no-grad calls on inputs of ``x``'s
+    shape, dtype and device, when [`fastlora_linear`] would run that call with the fused small-M kernel; else None.
+
+    Returns ``run(x, scaling)``. Decoding calls each layer with the same shapes on every token; the prepared call
+    skips the checks, the tiling lookup and the argument building that [`fastlora_linear`] repeats per call. The
+    caller keeps it only while ``weight``, ``bias``, ``lora_a`` and ``lora_b`` are the tensors it was prepared with
+    (their values may change in place) and calls it only where [`fastlora_linear`] would take the same path: grad
+    off, autocast off or in ``x``'s dtype, not under ``torch.compile``.
+    """
+    if not _use_triton(x.device):
+        return None
+    check_linear_args(x, weight, bias, lora_a, lora_b, None)
+    device_type = x.device.type
+    if (
+        torch.compiler.is_compiling()
+        or _needs_grad(x, lora_a, lora_b, bias)
+        or (torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != x.dtype)
+    ):
+        return None
+    small_m = kernels.load().small_m
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows > small_m.small_m_limit(weight, x.device):
+        return None
+    return small_m.prepare_small_m_linear(x, weight, bias, lora_a, lora_b)
 
 
 def without_autocast(device_type: str, fn, *args):

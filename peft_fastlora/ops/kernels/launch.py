@@ -77,28 +77,38 @@ def device_context(device: torch.device):
     return torch.cuda.device(device)
 
 
-def launch(kernel, grid: tuple, args: tuple, device: torch.device, **options) -> None:
+def launch_is_direct(device: torch.device) -> bool:
+    """Whether a kernel compiled earlier may be launched straight on ``device`` now: it is the current CUDA device
+    (its module is loaded in that device's context) and no Triton launch hook (e.g. a profiler's) wants to see it."""
+    return device.index == torch.cuda.current_device() and not _launch_hooks_set()
+
+
+def launch(kernel, grid: tuple, args: tuple, device: torch.device, **options):
     """Launches ``kernel`` on ``device`` with ``args`` = every kernel parameter in order (constexprs included).
 
     ``options`` are launch options (``num_warps``, ``enable_fp_fusion``, ...). Interpreted kernels and Triton launch
-    hooks (e.g. a profiler's) always take the regular ``kernel[grid]`` path.
+    hooks (e.g. a profiler's) always take the regular ``kernel[grid]`` path. Returns the ``CompiledKernel`` that ran
+    (None under the interpreter), which a caller holding a prepared launch may run again directly for arguments of
+    the same specialization (see ``small_m.SmallMLaunch``).
     """
     grid = tuple(grid) + (1,) * (3 - len(grid))
     if is_interpreted(kernel):
         kernel[grid](*args, **options)
-        return
+        return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (kernel, index, _specialization(args), tuple(sorted(options.items())))
     compiled = _compiled.get(key)
     with device_context(device):
         if compiled is None or _launch_hooks_set():
             compiled = kernel[grid](*args, **options)
-            if compiled is not None and not hasattr(compiled, "result"):  # skip async-compile futures
-                if len(_compiled) >= MAX_COMPILED:
-                    _compiled.clear()
-                _compiled[key] = compiled
-            return
+            if compiled is None or hasattr(compiled, "result"):  # an async-compile future: not a kernel to keep
+                return None
+            if len(_compiled) >= MAX_COMPILED:
+                _compiled.clear()
+            _compiled[key] = compiled
+            return compiled
         stream = torch._C._cuda_getCurrentRawStream(index)
         compiled.run(
             grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *args
         )
+        return compiled

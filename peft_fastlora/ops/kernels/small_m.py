@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,7 +23,7 @@ import torch
 
 from ..quant_state import Int8Rowwise, QuantizedWeight, memo
 from .dequant import nested_args, packed_bytes
-from .launch import cdiv, is_interpreted, launch, next_power_of_2, require_launchable
+from .launch import cdiv, is_interpreted, launch, launch_is_direct, next_power_of_2, require_launchable
 from .small_m_kernel import WEIGHT_4BIT_ALIGNED, WEIGHT_4BIT_ANY, WEIGHT_INT8, _fused_small_m_kernel
 from .tuning import SmallMConfig, tuned_config, tuned_crossover
 
@@ -192,6 +193,120 @@ KERNEL_PARAMS = (
 assert KERNEL_PARAMS == tuple(inspect.signature(_fused_small_m_kernel.fn).parameters)
 
 
+# Slots of the argument tuple that change from call to call (see SmallMLaunch).
+_X, _BIAS, _LX, _LORA_A, _LORA_B, _OUT, _PARTIAL, _ARRIVALS, _XA_PART, _XA_COUNT = 0, 7, 8, 9, 10, 11, 12, 13, 14, 15
+_SCALING, _STRIDE_XM, _STRIDE_LXM = 20, 21, 23
+
+
+class SmallMLaunch:
+    """The kernel's launch for one weight, bias, adapter pair, row count, dtype and tiling, prepared once.
+
+    Building the argument tuple (weight fields, tiling, grid, workspace sizes) and matching the compiled kernel to it
+    cost more host time than the launch itself; a layer that decodes calls the same launch on every token, so it
+    prepares it once and calls it with each token's rows. Calls with the rows' alignment and strides of the first
+    call launch the kernel compiled for them directly; any other rows go through [`launch`], which matches them
+    again. Outputs and workspaces are allocated per call (concurrent calls and CUDA graphs never share them); the
+    weight, bias and adapter tensors are read at launch time, so in-place updates of them are seen.
+
+    Args:
+        m (`int`): Rows of every call.
+        dtype (`torch.dtype`): The rows' (and the output's) dtype.
+        weight, bias, lora_a, lora_b: As for [`small_m_linear_tiled`] (``lora_a``/``lora_b`` both given or both
+            ``None``; ``bias``, ``lora_a`` and ``lora_b`` contiguous).
+        config ([`SmallMConfig`]): The tiling.
+    """
+
+    def __init__(self, m, dtype, weight, bias, lora_a, lora_b, config):
+        n, k = weight.shape
+        device = weight.device
+        self.m, self.n, self.k, self.dtype, self.device = m, n, k, dtype, device
+        self.has_lora, self.has_bias = lora_a is not None, bias is not None
+        r = lora_a.shape[0] if self.has_lora else 0
+        plan = small_m_grid(m, n, k, config, r if self.has_lora else None)
+        self.grid = plan.grid
+        # Workspace sizes: fp32 split-K partials, fp32 xa chunk partials, int32 arrival and xa chunk counters.
+        self.sizes = (plan.n_partials, plan.n_xa_parts, plan.n_arrivals, plan.n_xa_counts)
+        w_args, w_meta = memo(weight, ("small_m", config.block_k), lambda: _weight_args(weight, config.block_k))
+        factor_scales = config.factor_scales and not config.use_dot and w_meta[0] == WEIGHT_4BIT_ALIGNED.value
+        if factor_scales:
+            words = memo(weight, ("small_m_words", config.block_k), lambda: _words_args(weight, config.block_k))
+            factor_scales = bool(words)
+            if factor_scales:
+                w_args = (words[0], *w_args[1:6], words[1])
+        interpret = is_interpreted(_fused_small_m_kernel)
+        require_launchable(_fused_small_m_kernel, device)
+        self.options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+        # In KERNEL_PARAMS order; None marks the per-call slots (x, out, workspaces, scaling, row strides), and the
+        # unused pointers (no bias, no LoRA, no workspace) point at the call's output.
+        self.args = (
+            None, *w_args[:6], bias, None, lora_a, lora_b, None, None, None, None, None,
+            # M, N, K, R, scaling, stride_xm, stride_wn, stride_lxm, stride_an, stride_bn, stride_om
+            m, n, k, r, None, None, w_args[6], None, lora_a.stride(0) if self.has_lora else 0,
+            lora_b.stride(0) if self.has_lora else 0, n,
+            plan.k_per_split, plan.n_chunks, plan.xa_chunk,
+            *w_meta,  # WEIGHT_KIND, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB
+            self.has_bias,  # HAS_BIAS
+            self.has_lora,  # HAS_LORA
+            config.use_dot,  # USE_DOT
+            interpret or dtype == torch.float32,  # DOT_FP32: the interpreter's bf16 dot is not exact
+            interpret or (self.has_lora and lora_a.dtype == torch.float32),  # LORA_DOT_FP32
+            plan.block_m, config.block_n, config.block_k, plan.block_r, plan.split_k, plan.xa_block_k,
+            XA_MAX_CHUNKS, XA_COPIES, XA_COPY_STRIDE,
+            # XA_POLLS: the interpreter runs programs one by one, a count stays incomplete
+            0 if interpret else XA_POLLS,
+            interpret,  # INTERPRET
+            factor_scales,  # FACTOR_SCALES
+            not interpret,  # MUL_RN
+            not interpret,  # SHUFFLE_LUT: inline PTX, compiled kernels only
+        )  # fmt: skip
+        assert len(self.args) == len(KERNEL_PARAMS)
+        self.compiled = None  # the compiled kernel, once a call has matched it ...
+        self.matched = None  # ... for rows with this (x alignment, x row stride, lora_x alignment, row stride)
+
+    def __call__(self, x2d: torch.Tensor, lora_x2d: Optional[torch.Tensor], scaling: float) -> torch.Tensor:
+        """The ``(m, n)`` output for ``(m, k)`` rows ``x2d`` (unit stride along K); ``lora_x2d=None``: LoRA reads
+        ``x2d``."""
+        m, device = self.m, self.device
+        out = torch.empty((m, self.n), dtype=self.dtype, device=device)
+        if m == 0:
+            return out
+        args = list(self.args)
+        lx = x2d if lora_x2d is None else lora_x2d
+        args[_X], args[_OUT], args[_SCALING], args[_STRIDE_XM] = x2d, out, scaling, x2d.stride(0)
+        if self.has_lora:
+            args[_LX], args[_STRIDE_LXM] = lx, lx.stride(0)
+        else:
+            args[_LX] = args[_LORA_A] = args[_LORA_B] = out
+            args[_STRIDE_LXM] = 0
+        if not self.has_bias:
+            args[_BIAS] = out
+        # One zeroed int32 buffer (one memset) holds the split-K arrival counters, then the xa chunk counters; the fp32
+        # partials have buffers of their own. Unused pointers point at `out`.
+        n_partials, n_xa_parts, n_arrivals, n_xa_counts = self.sizes
+        if n_arrivals or n_xa_counts:
+            counters = torch.zeros(n_arrivals + n_xa_counts, dtype=torch.int32, device=device)
+            args[_ARRIVALS] = counters if n_arrivals else out
+            args[_XA_COUNT] = (counters[n_arrivals:] if n_arrivals else counters) if n_xa_counts else out
+        else:
+            args[_ARRIVALS] = args[_XA_COUNT] = out
+        args[_PARTIAL] = torch.empty(n_partials, dtype=torch.float32, device=device) if n_partials else out
+        args[_XA_PART] = torch.empty(n_xa_parts, dtype=torch.float32, device=device) if n_xa_parts else out
+        # fp fusion stays on (FMAs in the dot products): the only sums that must not fuse, in the nested-absmax
+        # decode, use mul.rn (MUL_RN). The interpreter computes exactly as written.
+        rows = (not x2d.data_ptr() & 15, args[_STRIDE_XM], not lx.data_ptr() & 15, args[_STRIDE_LXM])
+        compiled = self.compiled
+        if compiled is not None and rows == self.matched and launch_is_direct(device):
+            stream = torch._C._cuda_getCurrentRawStream(device.index)
+            grid = self.grid
+            compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None,
+                         None, *args)  # fmt: skip
+        else:
+            compiled = launch(_fused_small_m_kernel, self.grid, tuple(args), device, **self.options)
+            if compiled is not None:
+                self.compiled, self.matched = compiled, rows
+        return out
+
+
 def small_m_linear_tiled(
     x2d: torch.Tensor,
     weight: QuantizedWeight,
@@ -207,60 +322,8 @@ def small_m_linear_tiled(
     ``x2d`` and ``lora_x2d`` (the LoRA branch's rows, ``x2d`` itself when there is no separate one) have unit stride
     along K; ``bias``, ``lora_a`` and ``lora_b`` are contiguous, and ``lora_a``/``lora_b`` both given or both ``None``.
     """
-    m, k = x2d.shape
-    n = weight.shape[0]
-    device = x2d.device
-    out = torch.empty((m, n), dtype=x2d.dtype, device=device)
-    if m == 0:
-        return out
-    has_lora = lora_a is not None
-    r = lora_a.shape[0] if has_lora else 0
-    plan = small_m_grid(m, n, k, config, r if has_lora else None)
-    # One zeroed int32 buffer (one memset) holds the split-K arrival counters and the xa chunk counters; the fp32
-    # partials have separate buffers (unused pointers point at `out`).
-    n_counters = plan.n_arrivals + plan.n_xa_counts
-    counters = torch.zeros(n_counters, dtype=torch.int32, device=device) if n_counters else out
-    w_args, w_meta = memo(weight, ("small_m", config.block_k), lambda: _weight_args(weight, config.block_k))
-    factor_scales = config.factor_scales and not config.use_dot and w_meta[0] == WEIGHT_4BIT_ALIGNED.value
-    if factor_scales:
-        words = memo(weight, ("small_m_words", config.block_k), lambda: _words_args(weight, config.block_k))
-        factor_scales = bool(words)
-        if factor_scales:
-            w_args = (words[0], *w_args[1:6], words[1])
-    interpret = is_interpreted(_fused_small_m_kernel)
-    require_launchable(_fused_small_m_kernel, device)
-    lora = (lora_x2d, lora_a, lora_b) if has_lora else (out, out, out)
-    lora_strides = (lora_x2d.stride(0), lora_a.stride(0), lora_b.stride(0)) if has_lora else (0, 0, 0)
-    args = (  # in KERNEL_PARAMS order
-        # pointers: x, the weight's seven fields, bias, the LoRA tensors, out, workspaces (unused ones point at out)
-        x2d, *w_args[:6], bias if bias is not None else out, *lora, out,
-        torch.empty(plan.n_partials, dtype=torch.float32, device=device) if plan.n_partials else out,
-        counters[: plan.n_arrivals] if plan.n_arrivals else out,
-        torch.empty(plan.n_xa_parts, dtype=torch.float32, device=device) if plan.n_xa_parts else out,
-        (counters[plan.n_arrivals :] if plan.n_arrivals else counters) if plan.n_xa_counts else out,
-        # sizes and strides: M, N, K, R, scaling, stride_xm, stride_wn, stride_lxm, stride_an, stride_bn, stride_om
-        m, n, k, r, float(scaling), x2d.stride(0), w_args[6], *lora_strides, out.stride(0),
-        plan.k_per_split, plan.n_chunks, plan.xa_chunk,
-        # WEIGHT_KIND, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB
-        *w_meta,
-        bias is not None,  # HAS_BIAS
-        has_lora,  # HAS_LORA
-        config.use_dot,  # USE_DOT
-        interpret or x2d.dtype == torch.float32,  # DOT_FP32: the interpreter's bf16 dot is not exact
-        interpret or (has_lora and lora_a.dtype == torch.float32),  # LORA_DOT_FP32
-        plan.block_m, config.block_n, config.block_k, plan.block_r, plan.split_k, plan.xa_block_k,
-        XA_MAX_CHUNKS, XA_COPIES, XA_COPY_STRIDE,
-        0 if interpret else XA_POLLS,  # XA_POLLS: the interpreter runs programs one by one, a count stays incomplete
-        interpret,  # INTERPRET
-        factor_scales,  # FACTOR_SCALES
-        not interpret,  # MUL_RN
-        not interpret,  # SHUFFLE_LUT: inline PTX, compiled kernels only
-    )  # fmt: skip
-    assert len(args) == len(KERNEL_PARAMS)
-    # fp fusion stays on (FMAs in the dot products): the only sums that must not fuse, in the nested-absmax decode,
-    # use mul.rn (MUL_RN). The interpreter computes exactly as written.
-    launch(_fused_small_m_kernel, plan.grid, args, device, num_warps=config.num_warps, num_stages=config.num_stages)
-    return out
+    prepared = SmallMLaunch(x2d.shape[0], x2d.dtype, weight, bias, lora_a, lora_b, config)
+    return prepared(x2d, None if lora_x2d is x2d else lora_x2d, float(scaling))
 
 
 def _unit_stride_rows(t: torch.Tensor, k: int) -> torch.Tensor:
@@ -271,6 +334,30 @@ def _unit_stride_rows(t: torch.Tensor, k: int) -> torch.Tensor:
 
 def _contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+def prepare_small_m_linear(
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: Optional[torch.Tensor],
+    lora_a: Optional[torch.Tensor],
+    lora_b: Optional[torch.Tensor],
+) -> Optional[Callable[[torch.Tensor, float], torch.Tensor]]:
+    """``run(x, scaling)`` = ``small_m_linear(x, weight, bias, lora_a, lora_b, scaling, None)`` for inputs of ``x``'s
+    shape and dtype, with the tiling and arguments prepared once ([`SmallMLaunch`]); None when ``bias``, ``lora_a``
+    or ``lora_b`` is not contiguous (the call would then read a copy, and in-place updates of the tensor would not
+    reach a prepared launch)."""
+    if any(t is not None and not t.is_contiguous() for t in (bias, lora_a, lora_b)):
+        return None
+    n, k = weight.shape
+    m = x.numel() // k
+    config = pick_config(m, n, k, x.device, weight_kind(weight))
+    prepared = SmallMLaunch(m, x.dtype, weight, bias, lora_a, lora_b, config)
+
+    def run(x: torch.Tensor, scaling: float) -> torch.Tensor:
+        return prepared(_unit_stride_rows(x, k), None, float(scaling)).view(*x.shape[:-1], n)
+
+    return run
 
 
 def small_m_linear(
