@@ -252,6 +252,7 @@ class FastLoraLayer(nn.Module, LoraLayer):
         self._restore_adapter_dtypes(adapters)
 
         lane_ok = adapter_names is None and not guard and not torch.is_grad_enabled()
+        lane_ok = lane_ok and not torch.compiler.is_compiling()  # graphs need no lane: dynamo skips the host work
         if lane_ok and len(adapters) <= 1 and not (adapters and self.adapters_are_fsdp_units(adapters)):
             result = self._lane_call(x, weight, bias, adapters[0] if adapters else None)
             if result is not None:
