@@ -325,7 +325,8 @@ class FastLoraLayer(nn.Module, LoraLayer):
         if state is None:
             return None
         lanes = self.__dict__.setdefault(DECODE_LANES, {})
-        if len(lanes) >= MAX_LANES:
+        # Lanes of another base weight (merged, requantized, re-gathered) would keep that weight alive: drop them.
+        if len(lanes) >= MAX_LANES or any(lane[1][0] != state[0] for lane in lanes.values()):
             lanes.clear()
         lanes[(x.shape, x.dtype, x.device)] = (adapter, state, run)
         return run(x, 1.0 if adapter is None else self.scaling[adapter])

@@ -387,6 +387,12 @@ def test_decode_lanes_per_shape_and_dropped_on_move(tiny_llama_path, prepares):
         for rows in range(3, 3 + MAX_LANES):
             layer(torch.randn(rows, layer.in_features, dtype=BF16))
     assert len(layer.__dict__[DECODE_LANES]) <= MAX_LANES
+    with torch.no_grad():
+        layer(torch.randn(1, 1, layer.in_features, dtype=BF16))
+        layer(torch.randn(2, 1, layer.in_features, dtype=BF16))
+        layer.store_weight(layer.dequantized_weight(FP32))  # new base weight: the other lane would pin the old one
+        layer(torch.randn(1, 1, layer.in_features, dtype=BF16))
+    assert list(layer.__dict__[DECODE_LANES]) == [(torch.Size([1, 1, layer.in_features]), BF16, torch.device("cpu"))]
     layer.to("cpu")
     assert DECODE_LANES not in layer.__dict__
 
