@@ -159,7 +159,8 @@ class FastLoraLinear4bit(FastLoraLayer):
     def weight_key(self) -> Optional[tuple]:
         weight = param(self._base(), "weight")
         state = getattr(weight, "quant_state", None)
-        if state is None or getattr(state, "packing_format_for_cpu", False):
+        # vars(): a missing attribute costs a trip through QuantState.__getattr__, on every decode call.
+        if state is None or vars(state).get("packing_format_for_cpu", False):
             return None
         # Read with Params4bit's __torch_function__ off: it costs a microsecond a tensor attribute, on every call.
         with torch._C.DisableTorchFunctionSubclass():

@@ -287,8 +287,8 @@ class FastLoraLayer(nn.Module, LoraLayer):
     def _lane_state(self, x: torch.Tensor, adapter: Optional[str]) -> Optional[tuple]:
         """What ``forward`` reads to choose and feed a single fused call on ``x`` with ``adapter`` (None: the base
         alone), other than the shape, dtype and device of ``x`` (the lanes' key); None when no lane may serve it."""
-        weight_key = self.weight_key()
-        if weight_key is None or torch.compiler.is_compiling():
+        weight_key = self.weight_key()  # callers are not under torch.compile (see forward)
+        if weight_key is None:
             return None
         device_type = x.device.type
         autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != x.dtype
