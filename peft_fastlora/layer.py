@@ -110,6 +110,13 @@ class FastLoraLayer(nn.Module, LoraLayer):
         self.invalidate_weight_cache()
         return super()._apply(fn, *args, **kwargs)
 
+    def __getstate__(self) -> dict:
+        # Pickling and deepcopy leave the decode lanes behind: they hold launch closures (not picklable) bound to this
+        # layer's tensors; the copy prepares its own on its first decode call.
+        state = super().__getstate__()
+        state.pop(DECODE_LANES, None)
+        return state
+
     # ---- the weight-container cache (see WEIGHT_CACHE) ---------------------------------------------------------------
     def cached_weight(self, key: tuple, build: Callable[[], QuantizedWeight]) -> QuantizedWeight:
         """The container cached for ``key``, or ``build()``'s, which then replaces the cached one."""

@@ -453,3 +453,22 @@ def test_eager_generate_with_decode_lanes_equals_the_general_path(tiny_llama_pat
     assert torch.equal(laned.sequences, general.sequences)
     for got, expected in zip(laned.scores, general.scores):
         assert torch.equal(got, expected)
+
+
+def test_a_model_with_decode_lanes_pickles_and_deep_copies(tiny_llama_path, prepares):
+    import copy
+    import pickle
+
+    from peft_fastlora.layer import DECODE_LANES
+
+    model = _lane_model(tiny_llama_path)
+    ids = tokens()
+    with torch.no_grad():
+        model(input_ids=ids[:, :1])  # one row per sequence: every layer builds a lane
+        expected = model(input_ids=ids[:, :1]).logits
+    assert any(DECODE_LANES in m.__dict__ for m in model.modules())
+    for clone in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        assert not any(DECODE_LANES in m.__dict__ for m in clone.modules())
+        with torch.no_grad():
+            assert torch.equal(clone(input_ids=ids[:, :1]).logits, expected)
+        assert any(DECODE_LANES in m.__dict__ for m in clone.modules())
