@@ -258,13 +258,14 @@ class FastLoraLayer(nn.Module, LoraLayer):
             adapters = self._active_present()
         self._restore_adapter_dtypes(adapters)
 
+        fsdp_units = bool(adapters) and self.adapters_are_fsdp_units(adapters)
         lane_ok = adapter_names is None and not guard and not torch.is_grad_enabled()
         lane_ok = lane_ok and not torch.compiler.is_compiling()  # graphs need no lane: dynamo skips the host work
-        if lane_ok and len(adapters) <= 1 and not (adapters and self.adapters_are_fsdp_units(adapters)):
+        if lane_ok and len(adapters) <= 1 and not fsdp_units:
             result = self._lane_call(x, weight, bias, adapters[0] if adapters else None)
             if result is not None:
                 return result
-        if adapter_names is not None or not adapters or self.adapters_are_fsdp_units(adapters):
+        if adapter_names is not None or not adapters or fsdp_units:
             # Base through the kernels; LoRA through the adapter modules (mixed batches, or FSDP units that only
             # gather their weights inside their own forward).
             result = ops.fastlora_linear(x, weight, bias, None, None, 1.0)

@@ -192,6 +192,13 @@ def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _takes_small_m(x, weight, *inputs: Optional[torch.Tensor]) -> bool:
+    """The fused small-M kernel's condition: no grad needed for ``x`` and ``inputs``, and at most as many rows as the
+    crossover of this GPU and shape. [`fastlora_linear`] and [`prepare_small_m_call`] both decide with it."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return not _needs_grad(x, *inputs) and rows <= kernels.load().small_m.small_m_limit(weight, x.device)
+
+
 def _dispatch(x, weight, bias, lora_a, lora_b, scaling, lora_x):
     check_linear_args(x, weight, bias, lora_a, lora_b, lora_x)
     if not _use_triton(x.device):
@@ -202,12 +209,10 @@ def _dispatch(x, weight, bias, lora_a, lora_b, scaling, lora_x):
         lora_x = lora_x.to(x.dtype)
     scaling = float(scaling)
     compiling = torch.compiler.is_compiling()
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    small_m = kernels.load().small_m
-    if not _needs_grad(x, lora_x, lora_a, lora_b, bias) and rows <= small_m.small_m_limit(weight, x.device):
+    if _takes_small_m(x, weight, lora_x, lora_a, lora_b, bias):
         if compiling:
             return custom_ops.lora_linear_small_m_op(x, bias, lora_a, lora_b, scaling, lora_x, *weight.to_fields())
-        return small_m.small_m_linear(x, weight, bias, lora_a, lora_b, scaling, lora_x)
+        return kernels.load().small_m.small_m_linear(x, weight, bias, lora_a, lora_b, scaling, lora_x)
     if compiling:
         return custom_ops.lora_linear_op(x, bias, lora_a, lora_b, scaling, lora_x, *weight.to_fields())[0]
     return LoraLinearFunction.apply(x, bias, lora_a, lora_b, scaling, lora_x, weight)
@@ -271,15 +276,11 @@ def prepare_small_m_call(
     device_type = x.device.type
     if (
         torch.compiler.is_compiling()
-        or _needs_grad(x, lora_a, lora_b, bias)
         or (torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != x.dtype)
+        or not _takes_small_m(x, weight, lora_a, lora_b, bias)
     ):
         return None
-    small_m = kernels.load().small_m
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows > small_m.small_m_limit(weight, x.device):
-        return None
-    return small_m.prepare_small_m_linear(x, weight, bias, lora_a, lora_b)
+    return kernels.load().small_m.prepare_small_m_linear(x, weight, bias, lora_a, lora_b)
 
 
 def without_autocast(device_type: str, fn, *args):

@@ -3,7 +3,7 @@
 ``kernel[grid](...)`` costs tens of microseconds of Python per call (Triton 3.6-3.9 bind every argument, read its
 knobs and build a cache key from strings), which is as long as the 4096x4096 dequant itself. Here the first launch of
 a given specialization goes through ``kernel[grid]`` (compiling if needed) and keeps the returned ``CompiledKernel``;
-later launches call its launcher directly (``CompiledKernel.run``, the same call and arguments that
+later launches call its launcher directly (``run_compiled``: ``CompiledKernel.run``, the same call and arguments that
 ``JITFunction.run`` makes in Triton 3.6 and 3.9).
 
 Caching: ``_compiled`` maps (kernel, device index, specialization key, launch options) to a ``CompiledKernel``. The
@@ -83,6 +83,15 @@ def launch_is_direct(device: torch.device) -> bool:
     return device.index == torch.cuda.current_device() and not _launch_hooks_set()
 
 
+def run_compiled(compiled, grid: tuple, args, device_index: int) -> None:
+    """Runs a ``CompiledKernel`` on the current stream of ``device_index``: the call ``JITFunction.run`` makes in
+    Triton 3.6 and 3.9 (``grid`` has three entries)."""
+    stream = torch._C._cuda_getCurrentRawStream(device_index)
+    compiled.run(
+        grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *args
+    )
+
+
 def launch(kernel, grid: tuple, args: tuple, device: torch.device, **options):
     """Launches ``kernel`` on ``device`` with ``args`` = every kernel parameter in order (constexprs included).
 
@@ -107,8 +116,5 @@ def launch(kernel, grid: tuple, args: tuple, device: torch.device, **options):
                 _compiled.clear()
             _compiled[key] = compiled
             return compiled
-        stream = torch._C._cuda_getCurrentRawStream(index)
-        compiled.run(
-            grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *args
-        )
+        run_compiled(compiled, grid, args, index)
         return compiled

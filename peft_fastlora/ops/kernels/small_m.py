@@ -23,7 +23,15 @@ import torch
 
 from ..quant_state import Int8Rowwise, QuantizedWeight, memo
 from .dequant import nested_args, packed_bytes
-from .launch import cdiv, is_interpreted, launch, launch_is_direct, next_power_of_2, require_launchable
+from .launch import (
+    cdiv,
+    is_interpreted,
+    launch,
+    launch_is_direct,
+    next_power_of_2,
+    require_launchable,
+    run_compiled,
+)
 from .small_m_kernel import WEIGHT_4BIT_ALIGNED, WEIGHT_4BIT_ANY, WEIGHT_INT8, _fused_small_m_kernel
 from .tuning import SmallMConfig, tuned_config, tuned_crossover
 
@@ -235,6 +243,8 @@ class SmallMLaunch:
                 w_args = (words[0], *w_args[1:6], words[1])
         interpret = is_interpreted(_fused_small_m_kernel)
         require_launchable(_fused_small_m_kernel, device)
+        # fp fusion stays on (FMAs in the dot products): the only sums that must not fuse, in the nested-absmax
+        # decode, use mul.rn (MUL_RN). The interpreter computes exactly as written.
         self.options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
         # In KERNEL_PARAMS order; None marks the per-call slots (x, out, workspaces, scaling, row strides), and the
         # unused pointers (no bias, no LoRA, no workspace) point at the call's output.
@@ -291,15 +301,9 @@ class SmallMLaunch:
             args[_ARRIVALS] = args[_XA_COUNT] = out
         args[_PARTIAL] = torch.empty(n_partials, dtype=torch.float32, device=device) if n_partials else out
         args[_XA_PART] = torch.empty(n_xa_parts, dtype=torch.float32, device=device) if n_xa_parts else out
-        # fp fusion stays on (FMAs in the dot products): the only sums that must not fuse, in the nested-absmax
-        # decode, use mul.rn (MUL_RN). The interpreter computes exactly as written.
         rows = (not x2d.data_ptr() & 15, args[_STRIDE_XM], not lx.data_ptr() & 15, args[_STRIDE_LXM])
-        compiled = self.compiled
-        if compiled is not None and rows == self.matched and launch_is_direct(device):
-            stream = torch._C._cuda_getCurrentRawStream(device.index)
-            grid = self.grid
-            compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None,
-                         None, *args)  # fmt: skip
+        if self.compiled is not None and rows == self.matched and launch_is_direct(device):
+            run_compiled(self.compiled, self.grid, args, device.index)
         else:
             compiled = launch(_fused_small_m_kernel, self.grid, tuple(args), device, **self.options)
             if compiled is not None:
