@@ -312,18 +312,21 @@ class FastLoraLayer(nn.Module, LoraLayer):
         module_a, module_b = lora_a.get(adapter), self._modules["lora_B"]._modules.get(adapter)
         if module_a is None or module_b is None:
             return None
-        dropout = self._modules["lora_dropout"]._modules[adapter]
         weight_a, weight_b = param(module_a, "weight"), param(module_b, "weight")
         return state + (type(module_a), type(module_b), weight_a.data_ptr(), weight_b.data_ptr(), weight_a.dtype,
-                        weight_b.dtype, type(dropout) is nn.Identity or not dropout.training)  # fmt: skip
+                        weight_b.dtype, self._lora_reads_x(adapter))  # fmt: skip
+
+    def _lora_reads_x(self, adapter: str) -> bool:
+        """Whether ``adapter``'s LoRA branch reads the layer input itself (its dropout is off or an identity)."""
+        dropout = self._modules["lora_dropout"]._modules[adapter]
+        return type(dropout) is nn.Identity or not dropout.training
 
     def _lane_call(self, x, weight, bias, adapter: Optional[str]) -> Optional[torch.Tensor]:
         """Builds the lane for ``x`` and ``adapter`` (see DECODE_LANES) and runs it; None when no lane applies (the
         caller then takes the general path)."""
         lora_a = lora_b = None
         if adapter is not None:
-            dropout = self._modules["lora_dropout"]._modules[adapter]
-            if type(dropout) is not nn.Identity and dropout.training:  # the LoRA branch reads another input than x
+            if not self._lora_reads_x(adapter):  # a lane feeds x to the LoRA branch
                 return None
             lora_a = param(self._modules["lora_A"]._modules[adapter], "weight")
             lora_b = param(self._modules["lora_B"]._modules[adapter], "weight")
