@@ -24,10 +24,6 @@ from torch import nn
 from .fast_path import transformers_model
 from .generation import EAGER_FORWARD, GRAPHED_COMPILED_STEP, GRAPHED_DECODER
 
-# Kept on the transformers model between calls (restore_eager_generation frees them): the recorded decoder, and the
-# compiled one-token forward of compile_step=True.
-_STATE, _COMPILED = GRAPHED_DECODER, GRAPHED_COMPILED_STEP
-
 
 @dataclass
 class _Decoder:
@@ -118,9 +114,9 @@ def graphed_generate(
            input_ids.device, use_graphs, compile_step, _model_fingerprint(hf_model))  # fmt: skip
     call = _model_call(hf_model, compile_step)
     with torch.inference_mode():
-        decoder = hf_model.__dict__.get(_STATE)
+        decoder = hf_model.__dict__.get(GRAPHED_DECODER)
         if decoder is None or decoder.key != key:
-            hf_model.__dict__.pop(_STATE, None)  # one setting kept: its KV cache can be large
+            hf_model.__dict__.pop(GRAPHED_DECODER, None)  # one setting kept: its KV cache can be large
             decoder = _new_decoder(hf_model, key, batch, max_len, input_ids.device, stop_ids)
         _load_prompt(decoder, input_ids, mask, pad_token_id)
         prefill = functools.partial(_prefill, decoder, call, pick, prompt_len, pad_token_id)
@@ -143,7 +139,7 @@ def graphed_generate(
             else:
                 steps(1)
                 done_steps += 1
-        hf_model.__dict__[_STATE] = decoder
+        hf_model.__dict__[GRAPHED_DECODER] = decoder
         out = decoder.tokens[:, : prompt_len + min(done_steps, wanted)].clone()
     return _trim_finished(out, prompt_len, decoder.stop_ids)
 
@@ -217,9 +213,9 @@ def _model_call(hf_model: nn.Module, compile_step: bool) -> Callable:
     eager = hf_model.__dict__.get(EAGER_FORWARD, hf_model)
     compiled = None
     if compile_step:
-        compiled = hf_model.__dict__.get(_COMPILED)
+        compiled = hf_model.__dict__.get(GRAPHED_COMPILED_STEP)
         if compiled is None:
-            compiled = hf_model.__dict__[_COMPILED] = torch.compile(eager, dynamic=False)
+            compiled = hf_model.__dict__[GRAPHED_COMPILED_STEP] = torch.compile(eager, dynamic=False)
 
     def call(ids, visible, positions, cache):
         mask = visible

@@ -8,7 +8,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import peft_fastlora
-from peft_fastlora.graphed_decode import _STATE, _picker
+from peft_fastlora.generation import GRAPHED_DECODER
+from peft_fastlora.graphed_decode import _picker
 from tests.utils import TINY_LLAMA, fast_config, load_quantized
 
 
@@ -86,16 +87,16 @@ def test_stops_early_when_every_row_finished(fastlora_cpu):
 def test_decoder_is_reused_and_follows_adapter_state(fastlora_cpu):
     ids, mask = _left_padded()
     first = peft_fastlora.graphed_generate(fastlora_cpu, ids, mask, max_new_tokens=5, ignore_eos=True)
-    decoder = fastlora_cpu.get_base_model().__dict__[_STATE]
+    decoder = fastlora_cpu.get_base_model().__dict__[GRAPHED_DECODER]
     again = peft_fastlora.graphed_generate(fastlora_cpu, ids, mask, max_new_tokens=5, ignore_eos=True)
-    assert fastlora_cpu.get_base_model().__dict__[_STATE] is decoder and torch.equal(again, first)
+    assert fastlora_cpu.get_base_model().__dict__[GRAPHED_DECODER] is decoder and torch.equal(again, first)
     with fastlora_cpu.disable_adapter():
         expected = _generate(fastlora_cpu, ids, mask, 5, min_new_tokens=5)
         got = peft_fastlora.graphed_generate(fastlora_cpu, ids, mask, max_new_tokens=5, ignore_eos=True)
-        assert fastlora_cpu.get_base_model().__dict__[_STATE] is not decoder  # a new setting: adapters off
+        assert fastlora_cpu.get_base_model().__dict__[GRAPHED_DECODER] is not decoder  # a new setting: adapters off
     assert torch.equal(got, expected) and not torch.equal(got, first)
     peft_fastlora.restore_eager_generation(fastlora_cpu)  # frees the kept decoder
-    assert _STATE not in fastlora_cpu.get_base_model().__dict__
+    assert GRAPHED_DECODER not in fastlora_cpu.get_base_model().__dict__
 
 
 @pytest.mark.parametrize("temperature, top_k", [(1.0, None), (0.7, None), (1.3, 3)])
@@ -180,17 +181,17 @@ def test_gpu_graph_replays_match_generate(tiny_llama_path, method):
     run = dict(max_new_tokens=13, ignore_eos=True, steps_per_graph=4)
     got = peft_fastlora.graphed_generate(model, ids, mask, **run)
     assert torch.equal(got, _generate(model, ids, mask, 13, min_new_tokens=13))
-    decoder = model.get_base_model().__dict__[_STATE]
+    decoder = model.get_base_model().__dict__[GRAPHED_DECODER]
     assert decoder.graph is not None and decoder.prefill_graph is not None
     assert torch.equal(peft_fastlora.graphed_generate(model, ids, mask, **run), got)
-    again = model.get_base_model().__dict__[_STATE]
+    again = model.get_base_model().__dict__[GRAPHED_DECODER]
     assert again.graph is decoder.graph and again.prefill_graph is decoder.prefill_graph
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.mul_(-3)
     changed = peft_fastlora.graphed_generate(model, ids, mask, **run)
-    assert model.get_base_model().__dict__[_STATE].graph is decoder.graph
+    assert model.get_base_model().__dict__[GRAPHED_DECODER].graph is decoder.graph
     assert torch.equal(changed, _generate(model, ids, mask, 13, min_new_tokens=13))
     assert not torch.equal(changed, got)
 
@@ -216,7 +217,7 @@ def test_gpu_after_compile_for_generation(tiny_llama_path):
     ids, mask = _left_padded(device="cuda")
     expected = peft_fastlora.graphed_generate(model, ids, mask, max_new_tokens=8, ignore_eos=True)
     peft_fastlora.compile_for_generation(model)
-    model.get_base_model().__dict__.pop(_STATE)
+    model.get_base_model().__dict__.pop(GRAPHED_DECODER)
     assert torch.equal(peft_fastlora.graphed_generate(model, ids, mask, max_new_tokens=8, ignore_eos=True), expected)
 
 
@@ -230,6 +231,6 @@ def test_gpu_compiled_step_matches_eager_step(tiny_llama_path):
     expected = peft_fastlora.graphed_generate(model, ids, mask, **run)
     got = peft_fastlora.graphed_generate(model, ids, mask, compile_step=True, **run)
     assert torch.equal(got, expected)
-    graph = model.get_base_model().__dict__[_STATE].graph
+    graph = model.get_base_model().__dict__[GRAPHED_DECODER].graph
     assert torch.equal(peft_fastlora.graphed_generate(model, ids, mask, compile_step=True, **run), expected)
-    assert model.get_base_model().__dict__[_STATE].graph is graph
+    assert model.get_base_model().__dict__[GRAPHED_DECODER].graph is graph
