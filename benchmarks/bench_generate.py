@@ -171,10 +171,8 @@ def main(argv=None) -> int:
                 del model
                 C.free_memory(device)
     for row in rows:
-        base = next((r for r in rows if r["provider"] == "peft-bnb-nf4" and r["mode"] == "eager"
-                     and r["batch"] == row["batch"] and r.get("tokens_per_s")), None)  # fmt: skip
-        if base and row.get("tokens_per_s"):
-            row["ratio_to_peft_bnb_eager"] = row["tokens_per_s"] / base["tokens_per_s"]
+        base = C.find_row(rows, provider="peft-bnb-nf4", mode="eager", batch=row["batch"])
+        row["ratio_to_peft_bnb_eager"] = C.ratio(row.get("tokens_per_s"), base and base["tokens_per_s"])
     log.rewrite(rows)
     C.print_table(rows, [c for c in COLUMNS if c not in ("prompt", "repeats")], "== greedy generation ==")
     return 0
