@@ -28,6 +28,9 @@ resident and timed in interleaved rounds (round i starts at provider i mod P), a
 taken round by round (``ratio_to_bf16_round_*``): a same-round ratio cancels the host's drift. With ``--budget-s``,
 training and profiling stop ``--gen-reserve-s`` early so that the generation phase keeps its share of the budget.
 
+``--arch qwen2`` / ``--arch mistral`` runs the same 8-layer cut of Qwen2-7B or Mistral-7B instead (not Unsloth, whose
+script builds the Llama model).
+
 GPU:   python benchmarks/bench_train_step.py --out benchmarks/results
 CI:    python benchmarks/bench_train_step.py --device cpu --tiny --out /tmp/x
 """
@@ -66,6 +69,17 @@ LLAMA3_8B_8_LAYERS = dict(
 # intermediate 128: bitsandbytes' CPU 4-bit matmul needs in_features % 64 == 0 (down_proj reads the intermediate).
 TINY = dict(LLAMA3_8B_8_LAYERS, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             num_hidden_layers=2, vocab_size=128, max_position_embeddings=256)  # fmt: skip
+# The same 8-layer cut of two more architectures that Liger-Kernel supports, so the fast path is measured beyond Llama:
+# Qwen2-7B (biases on q/k/v, 152k vocabulary: the loss is a larger share of the step) and Mistral-7B v0.3 (32k
+# vocabulary, no sliding window).
+ARCH_SHAPES = {
+    "llama": LLAMA3_8B_8_LAYERS,
+    "qwen2": dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+                  num_hidden_layers=8, vocab_size=152064, max_position_embeddings=8192, rms_norm_eps=1e-6,
+                  rope_theta=1e6, tie_word_embeddings=False),
+    "mistral": dict(LLAMA3_8B_8_LAYERS, vocab_size=32768, rope_theta=1e6, sliding_window=None),
+}
+ARCH_NAMES = {"llama": "Llama-3-8B", "qwen2": "Qwen2-7B", "mistral": "Mistral-7B"}
 RANK = 16
 
 # provider -> (quantization, tuner), in run order: the ceiling first, then each quantization's PEFT and FastLoRA.
@@ -125,7 +139,7 @@ SETUP_COLUMNS = ["step", "provider", "seconds", "note"]
 
 def build_and_save(config, device: torch.device, path: Path):
     """Builds the random bf16 model on ``device``, saves it to ``path``; returns it and the two durations."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     start = time.perf_counter()
@@ -133,7 +147,7 @@ def build_and_save(config, device: torch.device, path: Path):
     torch.set_default_dtype(torch.bfloat16)  # build straight in bf16: no fp32 copy of the weights
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     finally:
         torch.set_default_dtype(previous)
     C.sync(device)
@@ -143,11 +157,23 @@ def build_and_save(config, device: torch.device, path: Path):
     return model, built, time.perf_counter() - start
 
 
-def model_config(tiny: bool = False):
-    """The benchmark's Llama config (``TINY`` for smoke runs), bf16."""
-    from transformers import LlamaConfig
+def model_shape(arch: str = "llama", tiny: bool = False, layers: Optional[int] = None) -> dict:
+    """The config fields of ``arch``'s benchmark model (``TINY``'s sizes for smoke runs)."""
+    shape = dict(ARCH_SHAPES[arch])
+    if tiny:
+        shape.update({k: TINY[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                           "num_key_value_heads", "num_hidden_layers", "vocab_size",
+                                           "max_position_embeddings")})  # fmt: skip
+    if layers:
+        shape["num_hidden_layers"] = layers
+    return shape
 
-    config = LlamaConfig(**(TINY if tiny else LLAMA3_8B_8_LAYERS))
+
+def model_config(tiny: bool = False, arch: str = "llama", layers: Optional[int] = None):
+    """The benchmark's config of ``arch`` (``TINY`` for smoke runs), bf16."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(arch, **model_shape(arch, tiny, layers))
     config.dtype = torch.bfloat16
     return config
 
@@ -616,6 +642,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt", default="both", choices=["both", "off", "on"], help="gradient checkpointing")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; tiny 32)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 8)")
+    p.add_argument("--arch", default="llama", choices=list(ARCH_SHAPES),
+                   help="model architecture: 8 layers of Llama-3-8B (default), Qwen2-7B or Mistral-7B")
     p.add_argument("--warmup-steps", type=int, default=None, help="default 3 (quick 2, tiny 1)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 5; quick 3, tiny 2)")
     p.add_argument("--gen-tokens", type=int, default=None, help="new tokens for generation (default 128; tiny 8)")
@@ -682,6 +710,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if unknown:
         raise SystemExit(f"unknown provider(s) {unknown}; choose from {list(PROVIDERS)}")
     providers = [p for p in PROVIDERS if p in providers or p in profile]
+    if args.arch != "llama" and "unsloth-nf4" in providers:
+        raise SystemExit(f"unsloth-nf4 runs the Llama model only (benchmarks/unsloth_step.py); --arch {args.arch} "
+                         "needs --providers without it")  # fmt: skip
     if not args.in_process and len(providers) > 1:
         return run_isolated(args, list(sys.argv[1:] if argv is None else argv), providers,
                             [p for p in gen_providers if p in providers], profile)  # fmt: skip
@@ -698,20 +729,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     C.setup_run()
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars would bury the table in the log
-    shape = dict(TINY if args.tiny else LLAMA3_8B_8_LAYERS)
-    if args.layers:
-        shape["num_hidden_layers"] = args.layers
-    config = transformers.LlamaConfig(**shape)
-    config.dtype = torch.bfloat16
+    shape = model_shape(args.arch, args.tiny, args.layers)
+    config = model_config(args.tiny, args.arch, args.layers)
     env = C.env_info(device)
-    env["run"] = (f"bench_train_step model={shape} seq={args.seq} batches={args.batches} ckpt={args.ckpts} "
+    env["run"] = (f"bench_train_step arch={args.arch} model={shape} seq={args.seq} batches={args.batches} "
+                  f"ckpt={args.ckpts} "
                   f"providers={providers} r={RANK} all-linear dropout={args.lora_dropout} "
                   f"adapters={args.adapter_dtype} "
                   f"warmup_steps={args.warmup_steps} steps={args.steps} gen={gen_providers} "
                   f"gen_tokens={args.gen_tokens} gen_repeats={args.gen_repeats} (interleaved rounds) "
                   f"budget_s={args.budget_s} gen_reserve_s={C.fmt(args.gen_reserve_s)}")  # fmt: skip
-    C.print_header("bench_train_step: Llama-3-8B-shaped model, LoRA training + generation (ratios within THIS run)",
-                   env)  # fmt: skip
+    C.print_header(f"bench_train_step: {ARCH_NAMES[args.arch]}-shaped model, LoRA training + generation "
+                   "(ratios within THIS run)", env)  # fmt: skip
     log = C.CsvLog(out / "train_step.csv", TRAIN_COLUMNS, env)
     gen_log = C.CsvLog(out / "generation.csv", GEN_COLUMNS, env)
     setup_log = C.CsvLog(out / "setup.csv", SETUP_COLUMNS, env)

@@ -214,8 +214,11 @@ class FastLoraLayer(nn.Module, LoraLayer):
             for module in (lora_a[adapter], lora_b[adapter]):
                 found = param(module, "weight").dtype
                 if found != policy:
-                    if not self._recast_warned:  # once per layer; Python's filter folds the layers into one
-                        warnings.warn(RECAST_WARNING.format(adapter=adapter, found=found, policy=policy), stacklevel=3)
+                    if not self._recast_warned:
+                        # Once per layer, and attributed to this line (stacklevel 1) so that Python's filter folds
+                        # the layers into one warning: the frame that calls forward is torch's Module.__call__,
+                        # whose line differs between modules with and without hooks (a GPU run warned 2-3 times).
+                        warnings.warn(RECAST_WARNING.format(adapter=adapter, found=found, policy=policy), stacklevel=1)
                         self._recast_warned = True
                     module.to(policy)
 

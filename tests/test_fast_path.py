@@ -8,6 +8,7 @@ kernels need a GPU); GPU tests use the real one when it is installed.
 
 from __future__ import annotations
 
+import math
 import sys
 import types
 import warnings
@@ -19,7 +20,7 @@ from peft import get_peft_model
 import peft_fastlora
 from peft_fastlora import fast_path
 from peft_fastlora.ops import FORCE_TRITON_ENV
-from tests.utils import TINY_LLAMA, fast_config, load_quantized, save_tiny_llama, saved_bytes, tokens
+from tests.utils import TINY_LLAMA, fast_config, load_quantized, save_tiny_llama, saved_bytes, tiny_tokenizer, tokens
 
 AOT = {"backend": "aot_eager", "fullgraph": True}
 
@@ -339,6 +340,12 @@ def restore_llama_module(monkeypatch):
         monkeypatch.setattr(modeling_llama, name, getattr(modeling_llama, name))
 
 
+def _has_liger_rms_norm(model) -> bool:
+    """Liger patches the final norm either by class or by binding its forward to the instance."""
+    norm = model.get_base_model().model.norm
+    return type(norm).__name__ == "LigerRMSNorm" or norm.forward.__func__.__qualname__.startswith("LigerRMSNorm")
+
+
 @pytest.mark.gpu
 def test_fast_path_with_liger_tracks_plain_fastlora_over_20_steps(tiny_llama_path, restore_llama_module):
     ids = torch.randint(3, 128, (4, 64), device="cuda")
@@ -403,7 +410,86 @@ def test_trainer_use_liger_kernel_with_a_fastlora_model(tiny_llama_path, tmp_pat
     trainer = Trainer(model=model, args=args, train_dataset=data)
     result = trainer.train()
     assert torch.isfinite(torch.tensor(result.training_loss))
-    norm = model.get_base_model().model.norm
-    assert type(norm).__name__ == "LigerRMSNorm" or norm.forward.__func__.__qualname__.startswith("LigerRMSNorm")
+    assert _has_liger_rms_norm(model)
     changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert changed, "no adapter weight moved"
+
+
+# ---- TRL --------------------------------------------------------------------------------------------------------
+
+
+def _sft_trainer(model, tmp_path, device: str, steps: int, **config):
+    """TRL's ``SFTTrainer`` on 16 random rows of the tiny model's ids, bf16, ``steps`` logged steps."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from tests.safety.helpers import token_batch, trainer_kwargs
+
+    args = trl.SFTConfig(**{**trainer_kwargs(tmp_path, device, "bf16", steps), **config})
+    dataset = datasets.Dataset.from_dict({"input_ids": token_batch(batch=16).tolist()})
+    return trl.SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tiny_tokenizer())
+
+
+def _train_moves_every_adapter(trainer, model) -> list[float]:
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # TRL 1.15 deprecates use_liger_kernel
+        trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == trainer.args.max_steps and all(math.isfinite(v) for v in losses), losses
+    still = [n for n, p in model.named_parameters() if p.requires_grad and torch.equal(p, before[n])]
+    assert not still, f"adapter tensors that did not train: {still}"
+    return losses
+
+
+def _forwards_per_step(model) -> int:
+    """Block forwards per training step: SFTConfig checkpoints by default, and the recompute runs each block again."""
+    return 2 if model.get_base_model().is_gradient_checkpointing else 1
+
+
+def _count_fused_mlp_calls(monkeypatch) -> list[int]:
+    calls = [0]
+    fused = fast_path.swiglu_lora_linear
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(fast_path, "swiglu_lora_linear", counting)
+    return calls
+
+
+def test_sft_trainer_trains_through_the_fused_mlp(tiny_llama_path, tmp_path, monkeypatch):
+    """`enable_fast_path` before TRL's `SFTTrainer`: its loss (TRL's own tiled LM head) runs the decoder blocks, whose
+    MLPs take the fused SwiGLU + down projection in every training step, and every adapter tensor trains."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    model = fastlora_model(tiny_llama_path)
+    assert peft_fastlora.enable_fast_path(model, liger=False).fused_mlps == TINY_LLAMA["num_hidden_layers"]
+    calls = _count_fused_mlp_calls(monkeypatch)
+    trainer = _sft_trainer(model, tmp_path, "cpu", steps=3)
+    _train_moves_every_adapter(trainer, model)
+    assert calls[0] == 3 * TINY_LLAMA["num_hidden_layers"] * _forwards_per_step(model)
+
+
+@pytest.mark.gpu
+def test_sft_trainer_use_liger_kernel_with_a_fastlora_model(tiny_llama_path, tmp_path, restore_llama_module):
+    """`SFTConfig(use_liger_kernel=True)` with a FastLoRA model: Liger's layer kernels patch the transformers model
+    under the PeftModel, and SFT trains every adapter tensor with finite losses."""
+    model = fastlora_model(tiny_llama_path, device="cuda")
+    trainer = _sft_trainer(model, tmp_path, "cuda", steps=4, use_liger_kernel=True)
+    _train_moves_every_adapter(trainer, model)
+    assert _has_liger_rms_norm(model)
+
+
+@pytest.mark.gpu
+def test_sft_trainer_after_enable_fast_path_on_gpu(tiny_llama_path, tmp_path, restore_llama_module, monkeypatch):
+    """The fast path (Liger's kernels, the fused MLP) and then TRL's `SFTTrainer` on a GPU: fused MLPs in every step,
+    Liger's RMSNorm in the model, every adapter tensor trained, finite losses."""
+    model = fastlora_model(tiny_llama_path, device="cuda")
+    report = peft_fastlora.enable_fast_path(model, liger=True)
+    assert report.fused_mlps == TINY_LLAMA["num_hidden_layers"] and "rms_norm" in report.liger_kernels
+    calls = _count_fused_mlp_calls(monkeypatch)
+    trainer = _sft_trainer(model, tmp_path, "cuda", steps=4)
+    _train_moves_every_adapter(trainer, model)
+    assert calls[0] == 4 * TINY_LLAMA["num_hidden_layers"] * _forwards_per_step(model)
+    assert _has_liger_rms_norm(model)

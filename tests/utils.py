@@ -79,6 +79,16 @@ def logits(model, ids: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
     return model(input_ids=ids, **kwargs).logits.cpu()
 
 
+def tiny_tokenizer():
+    """A word-level tokenizer over the tiny Llama's 128 ids ("t0" .. "t127"), built in memory (no downloads)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(128)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t0")
+
+
 def adapter_tensors(model, adapter_name: str = "default") -> dict[str, torch.Tensor]:
     """The adapter's tensors as PEFT saves them (``get_peft_model_state_dict``), detached copies on the CPU."""
     from peft.utils import get_peft_model_state_dict

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from peft_fastlora.layer import FastLoraLayer
+from tests.utils import tiny_tokenizer
 
 from .conftest import CPU, CUDA
 from .helpers import fastlora, load, recast_warnings, recorded_warnings, token_batch, trainable, trainer_kwargs
@@ -95,23 +96,13 @@ def test_trl_source_still_casts_to_bf16():
     assert TRL_CAST_SOURCE in inspect.getsource(sft_trainer.SFTTrainer.__init__)
 
 
-def _tiny_tokenizer():
-    """A word-level tokenizer over the tiny Llama's 128 ids ("t0" .. "t127"), built in memory (no downloads)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(128)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t0")
-
-
 def _sft_trainer(model, tmp_path, device: str, steps: int, precision: str):
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     ids = token_batch(batch=32)
     args = trl.SFTConfig(**trainer_kwargs(tmp_path, device, precision, steps))
     dataset = datasets.Dataset.from_dict({"input_ids": ids.tolist()})
-    return trl.SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=_tiny_tokenizer())
+    return trl.SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tiny_tokenizer())
 
 
 def _sft_run(model, tmp_path, device: str, steps: int, precision: str):
