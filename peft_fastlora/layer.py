@@ -26,6 +26,20 @@ LOSSY_MERGE_WARNING = (
     "Merging a LoRA adapter into a quantized weight requantizes it, which loses most of a small trained delta. "
     "For a lossless merge use `model.merge_and_unload(dequantize=True)`, which returns an unquantized model."
 )
+
+
+class RecastNotice:
+    """Whether the adapter recast warning was given, shared by the layers of one model so that a cast of the whole
+    model warns once. Python's once-per-location filter cannot do that: code that changes the warning filters during
+    a forward (``catch_warnings``, as libraries on the CUDA path do) resets it, and an H100 run of TRL's cast warned
+    two and three times."""
+
+    __slots__ = ("given",)
+
+    def __init__(self) -> None:
+        self.given = False
+
+
 RECAST_WARNING = (
     "FastLoRA adapter weights of '{adapter}' were cast to {found} outside peft_fastlora (for example by a trainer "
     "that casts trainable parameters); restoring the `adapter_dtype` policy's {policy}. Set `adapter_dtype` in "
@@ -93,7 +107,8 @@ class FastLoraLayer(nn.Module, LoraLayer):
         # `peft_fastlora.dtypes.apply_adapter_dtype_policy`.
         self.adapter_dtypes: dict[str, torch.dtype] = {}
         self.adapter_policies: dict[str, str] = {}
-        self._recast_warned = False
+        # Whether the recast warning was given; FastLoraModel hands all its layers one shared notice.
+        self.recast_notice = RecastNotice()
         # Set by `peft_fastlora.distributed.prepare_for_fsdp` for FSDP2: its mixed precision computes with its own
         # `param_dtype` copies of the adapters (the shards keep the policy's dtype), which must not be cast back.
         self.fsdp2_prepared = False
@@ -214,12 +229,10 @@ class FastLoraLayer(nn.Module, LoraLayer):
             for module in (lora_a[adapter], lora_b[adapter]):
                 found = param(module, "weight").dtype
                 if found != policy:
-                    if not self._recast_warned:
-                        # Once per layer, and attributed to this line (stacklevel 1) so that Python's filter folds
-                        # the layers into one warning: the frame that calls forward is torch's Module.__call__,
-                        # whose line differs between modules with and without hooks (a GPU run warned 2-3 times).
+                    if not self.recast_notice.given:
+                        # The caller's frame is torch's Module.__call__, so the warning points at this line.
                         warnings.warn(RECAST_WARNING.format(adapter=adapter, found=found, policy=policy), stacklevel=1)
-                        self._recast_warned = True
+                        self.recast_notice.given = True
                     module.to(policy)
 
     def _base(self) -> nn.Module:

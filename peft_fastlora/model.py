@@ -14,7 +14,7 @@ from torch import nn
 from . import _registry
 from .bnb import DISPATCHERS, is_quantized_4bit, is_quantized_8bit
 from .dtypes import apply_adapter_dtype_policy, float_cast_target
-from .layer import FastLoraLayer
+from .layer import FastLoraLayer, RecastNotice
 from .model_card import read_facts
 from .trainer_check import register_fp16_autocast_check
 
@@ -71,6 +71,10 @@ class FastLoraModel(LoraModel):
         # upcast, whatever its value.
         config = self.peft_config[adapter_name]
         apply_adapter_dtype_policy(self.model, adapter_name, config.adapter_dtype)
+        notice = self.__dict__.setdefault("_recast_notice", RecastNotice())  # one recast warning per model
+        for module in self.model.modules():
+            if isinstance(module, FastLoraLayer):
+                module.recast_notice = notice
         self._report_adapter(adapter_name)
         self._check_training_quantization(adapter_name, getattr(config, "loaded_from", None))
         if self.launch_hook is not None:

@@ -90,6 +90,27 @@ def test_trl_cast_is_undone_at_next_forward(tiny_llama_path, device, bits, optim
     assert recast_warnings(records) == []  # nothing to restore any more
 
 
+def test_cast_warns_once_per_model_when_filters_change_mid_forward(tiny_llama_path):
+    """One warning for the whole model even when something changes the warning filters during the forward (which
+    resets Python's once-per-location memory; on CUDA, code on the forward path does)."""
+    import warnings
+
+    model = _fp16_model(tiny_llama_path, CPU)
+    trl_cast(model)
+
+    def touch_filters(module, args):
+        warnings.filterwarnings("ignore", message="an unrelated message")
+
+    hooks = [layer.register_forward_pre_hook(touch_filters) for layer in model.modules()
+             if isinstance(layer, FastLoraLayer)]  # fmt: skip
+    ids = token_batch(batch=2)
+    with recorded_warnings("default") as records:
+        model(input_ids=ids, labels=ids)
+    for hook in hooks:
+        hook.remove()
+    assert len(recast_warnings(records)) == 1, recast_warnings(records)
+
+
 def test_trl_source_still_casts_to_bf16():
     """The reproduction above is TRL's current code: the installed SFTTrainer still contains the cast."""
     sft_trainer = pytest.importorskip("trl.trainer.sft_trainer")
