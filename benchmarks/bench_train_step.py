@@ -96,23 +96,28 @@ PROVIDERS = {
     "fastlora-liger-nf4": ("nf4", "fastpath-liger-only"),
     "fastlora-compiled-nf4": ("nf4", "fastpath-compile-only"),
     "fastpath-lossonly-nf4": ("nf4", "fastpath-loss-only"),
+    "fastpath-ligerloss-nf4": ("nf4", "fastpath-liger-loss"),
     # Unsloth's own QLoRA step (benchmarks/unsloth_step.py), always in its own process; its checkpointing row uses
     # Unsloth's offloading mode ("unsloth").
     "unsloth-nf4": ("nf4", "unsloth"),
 }
 # What runs without --providers: everything but the fast path's halves and Unsloth (which needs its own install).
 DEFAULT_PROVIDERS = [p for p in PROVIDERS if p not in ("fastlora-liger-nf4", "fastlora-compiled-nf4",
-                                                       "fastpath-lossonly-nf4", "unsloth-nf4")]  # fmt: skip
+                                                       "fastpath-lossonly-nf4", "fastpath-ligerloss-nf4",
+                                                       "unsloth-nf4")]  # fmt: skip
 # enable_fast_path options per fast-path tuner; activation offload applies only to the checkpointed rows.
 FAST_PATH_OPTIONS = {
     "fastpath": dict(liger="auto", compile_blocks=False, offload_activations=True),
     "fastpath-liger-only": dict(liger=True, compile_blocks=False, offload_activations=False),
     "fastpath-compile-only": dict(liger=False, compile_blocks=True, offload_activations=False),
     "fastpath-loss-only": dict(liger=["fused_linear_cross_entropy"], compile_blocks=False, offload_activations=True),
+    # The fast path with Liger's fused linear cross-entropy instead of ours.
+    "fastpath-liger-loss": dict(liger="auto", compile_blocks=False, offload_activations=True, fused_loss=False),
 }
 PEFT_TWIN = {"fastlora-nf4": "peft-bnb-nf4", "fastlora-nf4-dq": "peft-bnb-nf4-dq", "fastlora-int8": "peft-bnb-int8",
              "fastpath-nf4": "peft-bnb-nf4", "fastlora-liger-nf4": "peft-bnb-nf4",
              "fastlora-compiled-nf4": "peft-bnb-nf4", "fastpath-lossonly-nf4": "peft-bnb-nf4",
+             "fastpath-ligerloss-nf4": "peft-bnb-nf4",
              "unsloth-nf4": "peft-bnb-nf4"}  # fmt: skip
 COLORS = {p: f"C{i}" for i, p in enumerate(PROVIDERS)}
 GEN_PROVIDERS = ["bf16-lora", "peft-bnb-nf4", "fastlora-nf4", "peft-bnb-int8", "fastlora-int8"]

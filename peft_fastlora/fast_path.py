@@ -2,8 +2,11 @@
 
 [`enable_fast_path`] applies, to a (quantized, PEFT-wrapped or not yet wrapped) transformers model:
 
-- **Liger-Kernel** (optional extra ``peft-fastlora[fast]``): its fused linear cross-entropy, which never
-  materialises the fp32 logits, and, where the decoder blocks stay eager, its RMSNorm / RoPE / SwiGLU kernels;
+- **the fused loss** (``fused_loss.py``): the LM head and cross-entropy in chunks of rows, so the fp32 logits are never
+  materialised, with chunks large enough that a 150k-vocabulary head is not re-read dozens of times a step;
+- **Liger-Kernel** (optional extra ``peft-fastlora[fast]``): where the decoder blocks stay eager, its RMSNorm / RoPE
+  kernels (and SwiGLU where the fused MLP does not apply); its fused linear cross-entropy when asked for by name or
+  where the fused loss does not apply;
 - **regional compilation** (opt-in): ``torch.compile`` of each decoder block for training (the FastLoRA layers inside
   reach their Triton kernels through ``torch.ops.peft_fastlora``, so a block compiles without graph breaks); when
   blocks are compiled, inductor fuses RMSNorm, RoPE and SiLU-mul itself and Liger keeps only the loss: Liger's RMSNorm
@@ -31,6 +34,8 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from ._forward import set_instance_forward
+from .fused_loss import apply_fused_loss, fused_loss_refusal
 from .ops import swiglu_lora_linear
 
 logger = logging.getLogger(__name__)
@@ -52,6 +57,7 @@ class FastPathReport:
         liger_kernels (`list[str]`): The Liger-Kernel kernels applied (empty: none).
         compiled_blocks (`int`): How many decoder blocks run compiled.
         fused_mlps (`int`): How many SwiGLU MLPs train with the fused down projection (``fuse_mlp``).
+        fused_loss (`bool`): Whether training forwards compute the LM head and loss with the fused loss.
         offload_activations (`bool`): Whether checkpointed activations go to CPU memory.
         notes (`list[str]`): Why something asked for was not applied.
     """
@@ -61,13 +67,15 @@ class FastPathReport:
     compiled_blocks: int = 0
     offload_activations: bool = False
     fused_mlps: int = 0
+    fused_loss: bool = False
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         liger = ", ".join(self.liger_kernels) if self.liger_kernels else "none"
-        text = (f"FastLoRA fast path on {self.model_type}: Liger kernels: {liger}; fused SwiGLU MLPs: "
-                f"{self.fused_mlps}; compiled decoder blocks: {self.compiled_blocks}; activation offload: "
-                f"{'on' if self.offload_activations else 'off'}")
+        text = (f"FastLoRA fast path on {self.model_type}: fused loss: {'on' if self.fused_loss else 'off'}; "
+                f"Liger kernels: {liger}; fused SwiGLU MLPs: {self.fused_mlps}; "
+                f"compiled decoder blocks: {self.compiled_blocks}; "
+                f"activation offload: {'on' if self.offload_activations else 'off'}")
         return text + "".join(f"; {note}" for note in self.notes)
 
 
@@ -82,6 +90,7 @@ def enable_fast_path(
     compile_blocks: bool = False,
     offload_activations: bool = False,
     fuse_mlp: bool = True,
+    fused_loss: bool = True,
     compile_options: Optional[dict[str, Any]] = None,
 ) -> FastPathReport:
     """Applies the whole-step fast path to ``model`` in place (call it before training; before or after
@@ -103,6 +112,10 @@ def enable_fast_path(
             while training ([`~peft_fastlora.ops.swiglu_lora_linear`]): backward recomputes ``silu(gate) * up``
             instead of keeping it, one tokens x intermediate tensor less per layer (replaces Liger's SwiGLU). Eager
             blocks only.
+        fused_loss (`bool`, defaults to `True`): Compute the LM head and the cross-entropy of training forwards in
+            chunks of rows ([`~peft_fastlora.ops.linear_cross_entropy`]), never the whole fp32 logits. Models whose
+            logits are capped or scaled, or that add a router loss, keep their own (noted in the report); naming
+            ``"fused_linear_cross_entropy"`` in ``liger`` uses Liger's fused loss instead.
         compile_options (`dict`, *optional*): Keyword arguments for ``torch.compile`` of each block (e.g.
             ``{"backend": "aot_eager"}`` in tests).
 
@@ -117,6 +130,7 @@ def enable_fast_path(
     _check_choice("compile_blocks", compile_blocks, (True, False))
     _check_choice("offload_activations", offload_activations, (True, False))
     _check_choice("fuse_mlp", fuse_mlp, (True, False))
+    _check_choice("fused_loss", fused_loss, (True, False))
     hf_model = transformers_model(model)
     model_type = str(getattr(hf_model.config, "model_type", "") or type(hf_model).__name__)
     report = FastPathReport(model_type=model_type)
@@ -128,13 +142,19 @@ def enable_fast_path(
     mlps = _swiglu_mlps(blocks) if fuse_mlp and not compile_now else []
     if fuse_mlp and compile_now:
         report.notes.append("fused MLP off (compiled blocks: inductor fuses the SwiGLU)")
+    own_loss = fused_loss and not (only is not None and "fused_linear_cross_entropy" in only)
+    refusal = fused_loss_refusal(hf_model) if own_loss else None
+    if refusal is not None:
+        report.notes.append(f"fused loss off ({refusal})")
+    report.fused_loss = own_loss and refusal is None and apply_fused_loss(hf_model)
     if liger:
         report.liger_kernels = _apply_liger(hf_model, model_type, strict=liger is True, compiled=compile_now,
-                                            notes=report.notes, only=only, swiglu=not mlps)  # fmt: skip
+                                            notes=report.notes, only=only, swiglu=not mlps,
+                                            loss=not report.fused_loss)  # fmt: skip
     if mlps and only is not None and "swiglu" in only:
         report.notes.append("Liger's swiglu replaced by the fused MLP (fuse_mlp=False keeps it)")
     for mlp in mlps:
-        mlp.forward = MethodType(_fused_mlp_forward, mlp)
+        set_instance_forward(mlp, _fused_mlp_forward)
     report.fused_mlps = len(mlps)
     if compile_now:
         report.compiled_blocks = _compile_blocks(blocks, compile_options or {})
@@ -195,7 +215,7 @@ def liger_available() -> bool:
 
 
 def _apply_liger(hf_model, model_type: str, *, strict: bool, compiled: bool, notes: list[str],
-                 only: Optional[frozenset] = None, swiglu: bool = True) -> list[str]:  # fmt: skip
+                 only: Optional[frozenset] = None, swiglu: bool = True, loss: bool = True) -> list[str]:  # fmt: skip
     def refuse(message: str) -> list[str]:
         if strict:
             raise RuntimeError(message)
@@ -210,7 +230,7 @@ def _apply_liger(hf_model, model_type: str, *, strict: bool, compiled: bool, not
     apply_fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
     if apply_fn is None:
         return refuse(f"Liger-Kernel has no kernels for model_type {model_type!r}.")
-    kernels = {"fused_linear_cross_entropy": True, "cross_entropy": False}
+    kernels = {"fused_linear_cross_entropy": loss, "cross_entropy": False}  # loss: not when ours applies
     # Compiled blocks: inductor fuses these itself, and Liger's SwiGLU kernel does not compile (see module docstring).
     for name in ("rope", "rms_norm", "swiglu", "geglu"):
         kernels[name] = not compiled
@@ -221,12 +241,14 @@ def _apply_liger(hf_model, model_type: str, *, strict: bool, compiled: bool, not
                          + " not applied (inductor fuses them)")  # fmt: skip
         kernels = {name: on and name in only for name, on in kernels.items()}
     head = hf_model.get_output_embeddings() if hasattr(hf_model, "get_output_embeddings") else None
-    if head is not None and type(head) is not nn.Linear:
+    if kernels["fused_linear_cross_entropy"] and head is not None and type(head) is not nn.Linear:
         # The fused loss reads lm_head.weight directly: a LoRA (or any wrapped) head would lose its adapter.
         kernels["fused_linear_cross_entropy"] = False
         notes.append(f"fused linear cross-entropy off (lm_head is a {type(head).__name__}, not nn.Linear)")
     accepted = inspect.signature(apply_fn).parameters
     kwargs = {k: v for k, v in kernels.items() if k in accepted}
+    if not any(kwargs.values()):
+        return []  # nothing left for Liger (compiled blocks with the fused loss): leave the model alone
     apply_fn(model=hf_model, **kwargs)
     return [k for k, on in kwargs.items() if on]
 

@@ -57,7 +57,8 @@ def loss_and_grads(model, ids):
 def test_compiled_blocks_match_eager_exactly(tiny_llama_path, ckpt):
     ids = torch.randint(3, 128, (2, 16))
     eager, fast = fastlora_model(tiny_llama_path), fastlora_model(tiny_llama_path)
-    report = peft_fastlora.enable_fast_path(fast, liger=False, compile_blocks=True, compile_options=AOT)
+    report = peft_fastlora.enable_fast_path(fast, liger=False, compile_blocks=True, fused_loss=False,
+                                            compile_options=AOT)  # exactness of the blocks: the loss stays as is
     assert report.compiled_blocks == len(fast_path.decoder_blocks(fast.get_base_model())) == 2
     for model in (eager, fast):
         model.train()
@@ -128,12 +129,16 @@ def fake_liger(monkeypatch):
 
 
 def test_liger_gets_the_transformers_model_and_all_kernels_when_eager(tiny_llama_path, fake_liger):
+    """Liger gets every kernel but the loss, which the fused loss computes; without the fused loss, Liger's."""
     model = fastlora_model(tiny_llama_path)
     report = peft_fastlora.enable_fast_path(model, fuse_mlp=False)
     (call,) = fake_liger
     assert call["model"] is model.get_base_model()  # Liger patches a transformers model, never the PeftModel
-    assert call["fused_linear_cross_entropy"] and call["rope"] and call["rms_norm"] and call["swiglu"]
-    assert not call["cross_entropy"]
+    assert call["rope"] and call["rms_norm"] and call["swiglu"]
+    assert not (call["cross_entropy"] or call["fused_linear_cross_entropy"])
+    assert set(report.liger_kernels) == {"rope", "rms_norm", "swiglu"} and report.fused_loss
+    report = peft_fastlora.enable_fast_path(fastlora_model(tiny_llama_path), fuse_mlp=False, fused_loss=False)
+    assert fake_liger[1]["fused_linear_cross_entropy"] and not report.fused_loss
     assert set(report.liger_kernels) == {"fused_linear_cross_entropy", "rope", "rms_norm", "swiglu"}
 
 
@@ -218,8 +223,11 @@ def test_fused_mlp_steps_aside_for_what_it_cannot_fuse(tiny_llama_path):
 
 
 def test_liger_keeps_only_the_loss_when_blocks_compile(tiny_llama_path, fake_liger):
-    model = fastlora_model(tiny_llama_path)
-    report = peft_fastlora.enable_fast_path(model, compile_blocks=True, compile_options=AOT)
+    """Compiled blocks leave Liger only the loss: with the fused loss, nothing (Liger is not called at all)."""
+    report = peft_fastlora.enable_fast_path(fastlora_model(tiny_llama_path), compile_blocks=True, compile_options=AOT)
+    assert not fake_liger and report.liger_kernels == [] and report.fused_loss
+    report = peft_fastlora.enable_fast_path(fastlora_model(tiny_llama_path), compile_blocks=True, fused_loss=False,
+                                            compile_options=AOT)  # fmt: skip
     (call,) = fake_liger
     assert call["fused_linear_cross_entropy"] and not (call["rope"] or call["rms_norm"] or call["swiglu"])
     assert report.liger_kernels == ["fused_linear_cross_entropy"]
@@ -231,6 +239,7 @@ def test_liger_applies_only_the_kernels_named(tiny_llama_path, fake_liger):
     (call,) = fake_liger
     assert call["fused_linear_cross_entropy"] and call["rms_norm"] and not (call["rope"] or call["swiglu"])
     assert sorted(report.liger_kernels) == ["fused_linear_cross_entropy", "rms_norm"]
+    assert not report.fused_loss  # naming Liger's loss asks for it instead of ours
 
 
 def test_liger_kernel_names_are_checked_and_strict(tiny_llama_path, fake_liger, monkeypatch):
@@ -246,8 +255,9 @@ def test_liger_kernel_names_are_checked_and_strict(tiny_llama_path, fake_liger, 
 def test_lora_on_lm_head_turns_the_fused_loss_off(tiny_llama_path, fake_liger):
     model = fastlora_model(tiny_llama_path, target_modules=["q_proj", "lm_head"])
     report = peft_fastlora.enable_fast_path(model)
-    assert not fake_liger[0]["fused_linear_cross_entropy"]
+    assert not fake_liger[0]["fused_linear_cross_entropy"] and not report.fused_loss
     assert any("lm_head" in note for note in report.notes)
+    assert any("fused loss off" in note and "nn.Linear" in note for note in report.notes)
 
 
 def test_unsupported_architecture_warns_or_raises(tiny_llama_path, fake_liger, monkeypatch):
@@ -316,7 +326,8 @@ def test_offloaded_checkpointing_matches_and_moves_inputs_to_cpu(tiny_llama_path
 
     monkeypatch.setattr(fast_path, "_pack", recording_pack)  # before the hooks bind it
     plain, fast = fastlora_model(tiny_llama_path, device="cuda"), fastlora_model(tiny_llama_path, device="cuda")
-    report = peft_fastlora.enable_fast_path(fast, liger=False, offload_activations=True, fuse_mlp=False)
+    report = peft_fastlora.enable_fast_path(fast, liger=False, offload_activations=True, fuse_mlp=False,
+                                            fused_loss=False)  # the offload alone: bit-identical
     assert report.offload_activations
     for model in (plain, fast):
         model.train()
@@ -493,3 +504,25 @@ def test_sft_trainer_after_enable_fast_path_on_gpu(tiny_llama_path, tmp_path, re
     _train_moves_every_adapter(trainer, model)
     assert calls[0] == 4 * TINY_LLAMA["num_hidden_layers"] * _forwards_per_step(model)
     assert _has_liger_rms_norm(model)
+
+
+def test_a_fast_path_model_pickles_and_deep_copies(tiny_llama_path):
+    """The fused MLPs and the fused loss replace forwards per instance: a copy's forwards are bound to the copy (its
+    own adapters), and the original keeps its loss."""
+    import copy
+    import pickle
+
+    model = fastlora_model(tiny_llama_path)
+    report = peft_fastlora.enable_fast_path(model, liger=False)
+    assert report.fused_loss and report.fused_mlps
+    model.train()
+    ids = tokens(rows=2, seq=8)
+    loss = model(input_ids=ids, labels=ids).loss
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        mlp = copied.get_base_model().model.layers[0].mlp
+        assert mlp.forward.__self__ is mlp and copied.get_base_model().forward.__self__ is copied.get_base_model()
+        torch.testing.assert_close(copied(input_ids=ids, labels=ids).loss, loss, atol=0, rtol=0)
+        with torch.no_grad():
+            copied.get_base_model().model.layers[0].mlp.down_proj.lora_B["default"].weight.mul_(5)
+        assert not torch.equal(copied(input_ids=ids, labels=ids).loss, loss)
+    assert torch.equal(model(input_ids=ids, labels=ids).loss, loss)

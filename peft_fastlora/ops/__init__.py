@@ -6,6 +6,7 @@
 - ``reference.py``: the pure-torch twins (the CPU path);
 - ``lora_linear.py`` and ``custom_ops.py``: the training path's autograd wrapper and the ``torch.library`` ops;
 - ``swiglu_lora.py``: [`swiglu_lora_linear`], the MLP down projection fused with its SwiGLU (keeps no ``h``);
+- ``linear_cross_entropy.py``: [`linear_cross_entropy`], the LM head fused with its loss (no full logits);
 - ``kernels/``: everything that imports Triton.
 
 ops/ never imports peft or bitsandbytes. Caching inside ops/ is documented where it lives: per weight in
@@ -14,6 +15,7 @@ ops/ never imports peft or bitsandbytes. Caching inside ops/ is documented where
 """
 
 from .dispatch import FORCE_TRITON_ENV, dequantize, fastlora_linear, prepare_small_m_call
+from .linear_cross_entropy import LinearCrossEntropyFunction, linear_cross_entropy
 from .lora_linear import LoraLinearFunction
 from .quant_state import Int8Rowwise, Packed4bit, QuantizedWeight
 from .swiglu_lora import SwiGLULoraFunction, swiglu_lora_linear
@@ -21,12 +23,14 @@ from .swiglu_lora import SwiGLULoraFunction, swiglu_lora_linear
 __all__ = [
     "FORCE_TRITON_ENV",
     "Int8Rowwise",
+    "LinearCrossEntropyFunction",
     "LoraLinearFunction",
     "Packed4bit",
     "QuantizedWeight",
     "SwiGLULoraFunction",
     "dequantize",
     "fastlora_linear",
+    "linear_cross_entropy",
     "prepare_small_m_call",
     "swiglu_lora_linear",
 ]

@@ -109,3 +109,20 @@ def silu_mul_backward_ref(
     dh, g, u = grad_h.float(), gate.float(), up.float()
     sig = torch.sigmoid(g)
     return (dh * u * sig * (1 + g * (1 - sig))).to(gate.dtype), (dh * g * sig).to(up.dtype)
+
+
+def cross_entropy_grad_ref(logits: torch.Tensor, target: torch.Tensor, grad_scale: float,
+                           ignore_index: int) -> torch.Tensor:  # fmt: skip
+    """Per-row fp32 cross-entropy of ``logits`` ``(rows, V)`` against ``target``; overwrites the logits with
+    ``grad_scale * (softmax - onehot)``, rounded once (zero where the target is ``ignore_index``). Twin of
+    ``kernels.cross_entropy.cross_entropy_grad_``."""
+    x = logits.float()
+    valid = target != ignore_index
+    safe = torch.where(valid, target, 0).unsqueeze(1)
+    lse = torch.logsumexp(x, dim=1)
+    loss = torch.where(valid, lse - x.gather(1, safe).squeeze(1), 0.0)
+    grad = torch.exp(x - lse.unsqueeze(1))
+    grad.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=grad.dtype))
+    grad.mul_(torch.where(valid, grad_scale, 0.0).unsqueeze(1))
+    logits.copy_(grad)
+    return loss

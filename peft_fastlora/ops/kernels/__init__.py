@@ -6,6 +6,7 @@
 - ``small_m_kernel.py`` / ``small_m_lora.py`` / ``small_m.py``: the fused small-M (decode) kernel, its LoRA half
   (``xa`` in chunks, the epilogue) and its launcher;
 - ``swiglu.py``: ``silu(gate) * up`` and its backward (the fused MLP down projection's elementwise half);
+- ``cross_entropy.py``: cross-entropy of a chunk of logits, its gradient written over them (the fused loss's half);
 - ``tuning.py``: the small-M tuning table (no Triton).
 
 The rest of ops/ reaches the kernels only through [`load`], so that ``import peft_fastlora`` works where Triton is
@@ -21,8 +22,8 @@ from types import ModuleType
 
 @functools.cache
 def load() -> ModuleType:
-    """Imports the kernels on first use and returns this package, with ``dequant``, ``small_m`` and ``swiglu``
-    loaded."""
-    from . import dequant, small_m, swiglu  # noqa: F401
+    """Imports the kernels on first use and returns this package, with ``dequant``, ``small_m``, ``swiglu`` and
+    ``cross_entropy`` loaded."""
+    from . import cross_entropy, dequant, small_m, swiglu  # noqa: F401
 
     return sys.modules[__name__]
