@@ -9,7 +9,8 @@
   where the fused loss does not apply;
 - **regional compilation** (opt-in): ``torch.compile`` of each decoder block for training (the FastLoRA layers inside
   reach their Triton kernels through ``torch.ops.peft_fastlora``, so a block compiles without graph breaks); when
-  blocks are compiled, inductor fuses RMSNorm, RoPE and SiLU-mul itself and Liger keeps only the loss: Liger's RMSNorm
+  blocks are compiled, inductor fuses RMSNorm, RoPE and SiLU-mul itself and Liger is left out (but for its loss, when
+  that is asked for instead of the fused loss): Liger's RMSNorm
   and SwiGLU kernels call ``.to()`` on float arguments that torch 2.11's Triton-kernel analysis passes as constants
   (the "'float' object has no attribute 'to'" error), and its RoPE is excluded from compilation (a graph break);
 - **activation offload** (opt-in): the tensors that gradient checkpointing keeps between decoder blocks go to pinned

@@ -93,7 +93,8 @@ def linear_cross_entropy(
     Args:
         hidden (`torch.Tensor`): ``(..., H)`` hidden states (the LM head's input).
         weight (`torch.Tensor`): ``(V, H)``, the LM head's weight.
-        target (`torch.Tensor`): Integer targets, one per row of ``hidden`` (already shifted for a causal LM).
+        target (`torch.Tensor`): Integer targets in ``[0, V)`` or ``ignore_index``, one per row of ``hidden``
+            (already shifted for a causal LM). Not checked on the device (that would synchronise with the host).
         bias (`torch.Tensor`, *optional*): ``(V,)``.
         ignore_index (`int`, defaults to -100): Targets with this value add no loss and no gradient.
         num_items_in_batch (`int` or `torch.Tensor`, *optional*): Divide the summed loss by this (transformers'
@@ -123,6 +124,9 @@ def linear_cross_entropy(
         divisor = (target != ignore_index).sum().float()
     else:
         divisor = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=hidden.device).reshape(())
+    if torch.compiler.is_compiling():  # a Python loop of launches: under torch.compile, the plain (unfused) math
+        logits = torch.nn.functional.linear(hidden, weight, bias).float()
+        return torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum") / divisor
     rows = chunk_rows(weight.shape[0], hidden.element_size(), chunk_bytes)
     args = (hidden, weight, bias, target, divisor, int(ignore_index), rows)
     if not autocast:

@@ -187,3 +187,19 @@ def test_gpu_matches_the_unfused_head_and_loss(chunk_bytes):
     torch.testing.assert_close(loss, expected, atol=2e-3, rtol=2e-3)
     for name, got, want in zip(("hidden", "weight", "bias"), leaves, ref):
         assert_close_scaled(got.grad, want.grad, 2e-2, 2e-2, name)
+
+
+def test_compiled_callers_get_the_same_loss(fresh_dynamo):
+    """Under torch.compile the op is the plain head + loss (no loop of launches to trace), with the same value and
+    gradients."""
+    target = _targets(26, 301).reshape(2, 13)
+    hidden, weight, bias = _leaves(torch.float32)
+    compiled = torch.compile(lambda h: linear_cross_entropy(h, weight, target, bias), backend="aot_eager",
+                             fullgraph=True)  # fmt: skip
+    loss = compiled(hidden)
+    loss.backward()
+    ref = hidden.detach().clone().requires_grad_()
+    expected = _unfused(ref, weight, bias, target)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden.grad, ref.grad, atol=1e-6, rtol=1e-5)
