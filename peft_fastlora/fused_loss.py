@@ -42,8 +42,8 @@ def fused_loss_refusal(hf_model: nn.Module) -> Optional[str]:
     if not prefix or not isinstance(getattr(hf_model, prefix, None), nn.Module):
         return f"{type(hf_model).__name__} has no backbone under its base_model_prefix {prefix!r}"
     head = hf_model.get_output_embeddings() if hasattr(hf_model, "get_output_embeddings") else None
-    if not isinstance(head, nn.Linear):
-        return f"{type(hf_model).__name__} has no nn.Linear output embedding"
+    if not _plain_head(head):
+        return f"{type(hf_model).__name__} has no nn.Linear output embedding (found {type(head).__name__})"
     return None
 
 
@@ -60,8 +60,9 @@ def apply_fused_loss(hf_model: nn.Module) -> bool:
     return True
 
 
-def _plain_head(head: nn.Module) -> bool:
-    # A PEFT layer on lm_head is an nn.Module holding the base layer: only an unwrapped nn.Linear is read directly.
+def _plain_head(head: Optional[nn.Module]) -> bool:
+    # Only an unwrapped nn.Linear is read directly: a PEFT layer on lm_head holds the base layer (and keeps its adapter
+    # through the model's forward), a quantized head (a subclass) stores its weight packed.
     return type(head) is nn.Linear
 
 
@@ -71,8 +72,9 @@ def _fused_forward(model: nn.Module, *args, **kwargs):
     if args and "input_ids" not in kwargs and len(args) == 1:
         kwargs["input_ids"], args = args[0], ()
     head = model.get_output_embeddings()
+    # TRL's own fused head (`fused_lm_head=True`, when it wrapped this forward) and tuple outputs take the original.
     if (labels is None or args or not (model.training and torch.is_grad_enabled()) or not _plain_head(head)
-            or kwargs.get("return_dict") is False):  # fmt: skip
+            or kwargs.get("return_dict") is False or "fused_lm_head" in kwargs):  # fmt: skip
         return original(*args, **kwargs)
     labels, shift_labels = kwargs.pop("labels"), kwargs.pop("shift_labels", None)
     num_items, ignore_index = kwargs.pop("num_items_in_batch", None), kwargs.pop("ignore_index", -100)
