@@ -9,7 +9,9 @@ Providers (LoRA r=16 on every linear layer, AdamW, bf16 autocast, ``model.train(
   bf16-lora                        PEFT LoRA on the unquantized bf16 model (the ceiling)
   peft-bnb-nf4, -nf4-dq, -int8     PEFT LoRA on the bitsandbytes model
   fastlora-nf4, -nf4-dq, -int8     FastLoRA (``FastLoraConfig``) on the same bitsandbytes model
-  fastpath-nf4                     FastLoRA + ``peft_fastlora.enable_fast_path`` (Liger-Kernel; offload if checkpointed)
+  fastpath-nf4                     FastLoRA + ``peft_fastlora.enable_fast_path`` (fused loss, fused MLP, Liger's norm
+                                   and RoPE; offload if checkpointed)
+  fastpath-ligerloss-nf4           the same with Liger's fused loss instead of ours (not run by default)
   fastlora-liger-nf4, fastlora-compiled-nf4   the fast path's halves (not run by default)
   unsloth-nf4                      Unsloth's own step (``unsloth_step.py``; not run by default, needs Unsloth)
 
