@@ -34,9 +34,12 @@ def _targets(rows: int, vocab: int, ignored: int = 3, seed: int = 0) -> torch.Te
     return target
 
 
-@pytest.mark.parametrize("rows, vocab", [(5, 37), (9, 1000), (3, 5000)], ids=str)  # below, around and over a block
+@pytest.mark.parametrize("rows, vocab, block", [(5, 37, 8192), (9, 1000, 256), (3, 5000, 1024)],
+                         ids=["one-block", "4-blocks-ragged", "5-blocks-ragged"])  # fmt: skip
 @pytest.mark.parametrize("dtype, atol, rtol", ELEMENTWISE_CASES)
-def test_kernel_matches_its_twin(force_triton, rows, vocab, dtype, atol, rtol):
+def test_kernel_matches_its_twin(force_triton, monkeypatch, rows, vocab, block, dtype, atol, rtol):
+    """Rows of one block and of several, the last one partial (the running max and sum carried across blocks)."""
+    monkeypatch.setattr(kernels.load().cross_entropy, "MAX_BLOCK_V", block)
     logits = (torch.randn(rows, vocab) * 4).to(dtype)
     target = _targets(rows, vocab, ignored=1)
     expected_grad = logits.clone()

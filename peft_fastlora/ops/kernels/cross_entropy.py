@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import is_interpreted, launch, next_power_of_2, require_launchable
+from .launch import launch, next_power_of_2, require_launchable
 
-MAX_BLOCK_V = 8192
+MAX_BLOCK_V = 8192  # logits per loop step of a row (module-level so that tests can make rows span several blocks)
 NUM_WARPS = 8
 
 
@@ -64,7 +64,7 @@ def cross_entropy_grad_(
     if rows:
         kernel = _cross_entropy_grad_kernel
         require_launchable(kernel, logits.device)
-        block = min(next_power_of_2(vocab), MAX_BLOCK_V if not is_interpreted(kernel) else 1 << 16)
+        block = min(next_power_of_2(vocab), MAX_BLOCK_V)
         launch(kernel, (rows,), (logits, logits.stride(0), target, loss, vocab, int(ignore_index), float(grad_scale),
                                  block), logits.device, num_warps=NUM_WARPS)  # fmt: skip
     return loss
