@@ -136,3 +136,32 @@ def test_copies_train_with_their_own_weights(tiny_llama_path):
                     param.mul_(3)
         assert not torch.allclose(copied(input_ids=ids, labels=ids).loss, loss)
         assert torch.equal(model(input_ids=ids, labels=ids).loss, loss)
+
+
+def test_trainer_with_gradient_accumulation_logs_the_same_losses(tiny_llama_path, tmp_path):
+    """The HF Trainer with gradient accumulation passes ``num_items_in_batch`` to the model: through the fast path's
+    fused loss the logged losses and gradient norms match the model's own loss within bf16 rounding, with a
+    prompt-like prefix of every row masked out of the labels. (The Trainer keeps only the batch columns the forward
+    names: with a bare ``(*args, **kwargs)`` signature it dropped ``input_ids``.)"""
+    from transformers import Trainer, TrainingArguments
+
+    from tests.safety.helpers import trainer_kwargs
+
+    ids = tokens(rows=8, seq=12, seed=3)
+    labels = ids.clone()
+    labels[:, :5] = -100
+    rows = [{"input_ids": i, "labels": label} for i, label in zip(ids, labels)]
+    runs = {}
+    for fused in (False, True):
+        model = _model(tiny_llama_path)
+        if fused:
+            assert apply_fused_loss(model.get_base_model())
+        args = TrainingArguments(**{**trainer_kwargs(tmp_path / str(fused), "cpu", "bf16", steps=2),
+                                    "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2})  # fmt: skip
+        trainer = Trainer(model=model, args=args, train_dataset=rows)
+        assert trainer.model_accepts_loss_kwargs  # so num_items_in_batch reaches the fused loss
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        runs[fused] = torch.tensor([[float(h["loss"]), float(h["grad_norm"])] for h in logs])
+    assert runs[True].shape == (2, 2)
+    torch.testing.assert_close(runs[True], runs[False], atol=2e-3, rtol=2e-2)  # (loss, grad norm) per step
