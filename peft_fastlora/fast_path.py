@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ._forward import set_instance_forward
-from .fused_loss import apply_fused_loss, fused_loss_refusal
+from .fused_loss import apply_fused_loss, fused_loss_refusal, plain_head
 from .ops import swiglu_lora_linear
 
 logger = logging.getLogger(__name__)
@@ -143,11 +143,10 @@ def enable_fast_path(
     mlps = _swiglu_mlps(blocks) if fuse_mlp and not compile_now else []
     if fuse_mlp and compile_now:
         report.notes.append("fused MLP off (compiled blocks: inductor fuses the SwiGLU)")
-    own_loss = fused_loss and not (only is not None and "fused_linear_cross_entropy" in only)
-    refusal = fused_loss_refusal(hf_model) if own_loss else None
-    if refusal is not None:
-        report.notes.append(f"fused loss off ({refusal})")
-    report.fused_loss = own_loss and refusal is None and apply_fused_loss(hf_model)
+    if fused_loss and not (only is not None and "fused_linear_cross_entropy" in only):
+        report.fused_loss = apply_fused_loss(hf_model)
+        if not report.fused_loss:
+            report.notes.append(f"fused loss off ({fused_loss_refusal(hf_model)})")
     if liger:
         report.liger_kernels = _apply_liger(hf_model, model_type, strict=liger is True, compiled=compile_now,
                                             notes=report.notes, only=only, swiglu=not mlps,
@@ -242,7 +241,7 @@ def _apply_liger(hf_model, model_type: str, *, strict: bool, compiled: bool, not
                          + " not applied (inductor fuses them)")  # fmt: skip
         kernels = {name: on and name in only for name, on in kernels.items()}
     head = hf_model.get_output_embeddings() if hasattr(hf_model, "get_output_embeddings") else None
-    if kernels["fused_linear_cross_entropy"] and head is not None and type(head) is not nn.Linear:
+    if kernels["fused_linear_cross_entropy"] and head is not None and not plain_head(head):
         # The fused loss reads lm_head.weight directly: a LoRA (or any wrapped) head would lose its adapter.
         kernels["fused_linear_cross_entropy"] = False
         notes.append(f"fused linear cross-entropy off (lm_head is a {type(head).__name__}, not nn.Linear)")

@@ -27,8 +27,6 @@ _FUSED_LOSS_MARK = "_fastlora_fused_loss"
 # Config fields that change the logits after the LM head or add to the loss: the fused loss would get them wrong.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
                      "lm_head_multiplier", "output_router_logits", "num_experts", "num_local_experts")  # fmt: skip
-# Arguments the model's forward consumes itself rather than handing them to its backbone.
-_HEAD_ARGS = ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep", "ignore_index")
 
 
 def fused_loss_refusal(hf_model: nn.Module) -> Optional[str]:
@@ -42,7 +40,7 @@ def fused_loss_refusal(hf_model: nn.Module) -> Optional[str]:
     if not prefix or not isinstance(getattr(hf_model, prefix, None), nn.Module):
         return f"{type(hf_model).__name__} has no backbone under its base_model_prefix {prefix!r}"
     head = hf_model.get_output_embeddings() if hasattr(hf_model, "get_output_embeddings") else None
-    if not _plain_head(head):
+    if not plain_head(head):
         return f"{type(hf_model).__name__} has no nn.Linear output embedding (found {type(head).__name__})"
     return None
 
@@ -60,7 +58,8 @@ def apply_fused_loss(hf_model: nn.Module) -> bool:
     return True
 
 
-def _plain_head(head: Optional[nn.Module]) -> bool:
+def plain_head(head: Optional[nn.Module]) -> bool:
+    """Whether a fused loss may read ``head.weight`` (and ``head.bias``) as the LM head."""
     # Only an unwrapped nn.Linear is read directly: a PEFT layer on lm_head holds the base layer (and keeps its adapter
     # through the model's forward), a quantized head (a subclass) stores its weight packed.
     return type(head) is nn.Linear
@@ -73,7 +72,7 @@ def _fused_forward(model: nn.Module, *args, **kwargs):
         kwargs["input_ids"], args = args[0], ()
     head = model.get_output_embeddings()
     # TRL's own fused head (`fused_lm_head=True`, when it wrapped this forward) and tuple outputs take the original.
-    if (labels is None or args or not (model.training and torch.is_grad_enabled()) or not _plain_head(head)
+    if (labels is None or args or not (model.training and torch.is_grad_enabled()) or not plain_head(head)
             or kwargs.get("return_dict") is False or "fused_lm_head" in kwargs):  # fmt: skip
         return original(*args, **kwargs)
     labels, shift_labels = kwargs.pop("labels"), kwargs.pop("shift_labels", None)
