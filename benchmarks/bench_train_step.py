@@ -11,6 +11,8 @@ Providers (LoRA r=16 on every linear layer, AdamW, bf16 autocast, ``model.train(
   fastlora-nf4, -nf4-dq, -int8     FastLoRA (``FastLoraConfig``) on the same bitsandbytes model
   fastpath-nf4                     FastLoRA + ``peft_fastlora.enable_fast_path`` (fused loss, fused MLP, Liger's norm
                                    and RoPE; offload if checkpointed)
+  fastpath-graph-nf4               the fast path with the step recorded as CUDA graphs (``GraphedTrainStep``; its
+                                   recording counts towards the peak memory; eager on the CPU)
   fastpath-ligerloss-nf4           the same with Liger's fused loss instead of ours (not run by default)
   fastlora-liger-nf4, fastlora-compiled-nf4   the fast path's halves (not run by default)
   unsloth-nf4                      Unsloth's own step (``unsloth_step.py``; not run by default, needs Unsloth)
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -99,6 +102,8 @@ PROVIDERS = {
     "fastlora-compiled-nf4": ("nf4", "fastpath-compile-only"),
     "fastpath-lossonly-nf4": ("nf4", "fastpath-loss-only"),
     "fastpath-ligerloss-nf4": ("nf4", "fastpath-liger-loss"),
+    # The fast path with the step recorded as CUDA graphs (peft_fastlora.GraphedTrainStep; eager on the CPU).
+    "fastpath-graph-nf4": ("nf4", "fastpath-graph"),
     # Unsloth's own QLoRA step (benchmarks/unsloth_step.py), always in its own process; its checkpointing row uses
     # Unsloth's offloading mode ("unsloth").
     "unsloth-nf4": ("nf4", "unsloth"),
@@ -115,11 +120,14 @@ FAST_PATH_OPTIONS = {
     "fastpath-loss-only": dict(liger=["fused_linear_cross_entropy"], compile_blocks=False, offload_activations=True),
     # The fast path with Liger's fused linear cross-entropy instead of ours.
     "fastpath-liger-loss": dict(liger="auto", compile_blocks=False, offload_activations=True, fused_loss=False),
+    "fastpath-graph": dict(liger="auto", compile_blocks=False, offload_activations=True),
 }
+# Tuners whose step is a peft_fastlora.GraphedTrainStep instead of train_step.
+GRAPHED_TUNERS = {"fastpath-graph"}
 PEFT_TWIN = {"fastlora-nf4": "peft-bnb-nf4", "fastlora-nf4-dq": "peft-bnb-nf4-dq", "fastlora-int8": "peft-bnb-int8",
              "fastpath-nf4": "peft-bnb-nf4", "fastlora-liger-nf4": "peft-bnb-nf4",
              "fastlora-compiled-nf4": "peft-bnb-nf4", "fastpath-lossonly-nf4": "peft-bnb-nf4",
-             "fastpath-ligerloss-nf4": "peft-bnb-nf4",
+             "fastpath-ligerloss-nf4": "peft-bnb-nf4", "fastpath-graph-nf4": "peft-bnb-nf4",
              "unsloth-nf4": "peft-bnb-nf4"}  # fmt: skip
 COLORS = {p: f"C{i}" for i, p in enumerate(PROVIDERS)}
 GEN_PROVIDERS = ["bf16-lora", "peft-bnb-nf4", "fastlora-nf4", "peft-bnb-int8", "fastlora-int8"]
@@ -282,7 +290,10 @@ def train_step(model, optimizer, ids: torch.Tensor, device: torch.device) -> tor
     return loss.detach()
 
 
-def run_training(model, batch: int, ckpt: bool, args, device: torch.device, vocab: int, progress) -> dict:
+def run_training(model, batch: int, ckpt: bool, args, device: torch.device, vocab: int, progress,
+                 graphed: bool = False) -> dict:
+    """Times ``train_step`` (or, ``graphed``, a ``GraphedTrainStep`` of the same step: its recording, warm-up
+    included, happens before the timed steps and counts towards the peak memory)."""
     set_checkpointing(model, ckpt, args.reentrant)
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -290,12 +301,21 @@ def run_training(model, batch: int, ckpt: bool, args, device: torch.device, voca
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    graph = None
+    if graphed:
+        from peft_fastlora import GraphedTrainStep
+
+        inputs = {"input_ids": ids, "labels": ids}
+        graph = GraphedTrainStep(model, optimizer, inputs, autocast_dtype=torch.bfloat16)
+        step = functools.partial(graph, inputs)
+    else:
+        step = functools.partial(train_step, model, optimizer, ids, device)
     times, host, loss = [], [], None
     try:
         for i in range(args.warmup_steps + args.steps):
             C.sync(device)
             start = time.perf_counter()
-            loss = train_step(model, optimizer, ids, device)
+            loss = step()
             queued = time.perf_counter()
             C.sync(device)
             if i >= args.warmup_steps:
@@ -303,8 +323,10 @@ def run_training(model, batch: int, ckpt: bool, args, device: torch.device, voca
                 host.append(queued - start)
             progress.update(1)
     finally:
+        if graph is not None:
+            graph.release()
         optimizer.zero_grad(set_to_none=True)
-        del optimizer
+        del optimizer, graph, step
     step_s = statistics.median(times)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     # host_ms: until the step's last launch was queued (syncs inside the step included); close to median_step_ms
@@ -463,7 +485,7 @@ def train_targets(rows: list[dict], gen_rows: list[dict]) -> list[C.Check]:
             row = C.find_row(rows, provider=provider, batch=batch, ckpt=ckpt)
             checks.append(C.Check(f"train tokens/s: {provider} / bf16-lora", f"batch {batch}, ckpt {ckpt}",
                                   row and row.get("ratio_to_bf16"), ">=", 1.0))  # fmt: skip
-    for provider in ("fastpath-nf4", "fastlora-liger-nf4"):
+    for provider in ("fastpath-nf4", "fastpath-graph-nf4", "fastlora-liger-nf4"):
         for batch, ckpt in configs:
             row = C.find_row(rows, provider=provider, batch=batch, ckpt=ckpt) or {}
             case = f"batch {batch}, ckpt {ckpt}"
@@ -817,8 +839,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             else:
                 progress.set_postfix_str(f"{provider} b{batch} ckpt {ckpt}")
                 try:
-                    row.update(run_training(model, batch, ckpt == "on", args, device, config.vocab_size, progress),
-                               status="ok")  # fmt: skip
+                    graphed = PROVIDERS[provider][1] in GRAPHED_TUNERS
+                    row.update(run_training(model, batch, ckpt == "on", args, device, config.vocab_size, progress,
+                                            graphed), status="ok")  # fmt: skip
                 except Exception as err:
                     if args.verbose:
                         traceback.print_exc()

@@ -17,6 +17,7 @@ from .export import export_lora, load_lora_as_fastlora
 from .fast_path import FastPathReport, enable_fast_path
 from .generation import compile_for_generation, restore_eager_generation
 from .graphed_decode import graphed_generate
+from .graphed_step import GraphedTrainStep
 from .guard import overflow_report
 from .layer import FastLoraLayer
 from .model import FastLoraModel
@@ -40,6 +41,7 @@ __all__ = [
     "FastLoraLayer",
     "FastLoraModel",
     "FastPathReport",
+    "GraphedTrainStep",
     "compile_for_generation",
     "enable_fast_path",
     "export_lora",

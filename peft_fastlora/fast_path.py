@@ -23,6 +23,7 @@ code. Numerics are those of the same ops in bf16: the loss agrees with plain Fas
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -45,6 +46,8 @@ FAST_EXTRA_HINT = 'pip install "peft-fastlora[fast]"  (or: pip install liger-ker
 # Set on a block whose forward the fast path replaced; holds the class forward it compiled.
 _COMPILED_MARK = "_fastlora_compiled_forward"
 _OFFLOAD_MARK = "_fastlora_offloads"
+# The model's CpuOffloadHooks (one per model, in its __dict__), for code that must reach them (a recorded step).
+OFFLOAD_HOOKS = "_fastlora_offload_hooks"
 # Checkpointed inputs smaller than this stay on the GPU: the copy would cost more than the memory it frees.
 OFFLOAD_MIN_BYTES = 1 << 20
 
@@ -350,7 +353,19 @@ class CpuOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, min_bytes: int = OFFLOAD_MIN_BYTES):
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        # While a CUDA graph records the step, the pinned buffers it copies into must outlive the recording (a graph
+        # replays into the same addresses): [`retaining`] collects them here.
+        self.retained: Optional[list[torch.Tensor]] = None
         super().__init__(functools.partial(_pack, self, min_bytes), _unpack)
+
+    @contextlib.contextmanager
+    def retaining(self, keep: list[torch.Tensor]):
+        """Appends every pinned buffer made inside the context to ``keep``."""
+        previous, self.retained = self.retained, keep
+        try:
+            yield keep
+        finally:
+            self.retained = previous
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
@@ -365,6 +380,8 @@ def _pack(hooks: CpuOffloadHooks, min_bytes: int, tensor: torch.Tensor):
     side.wait_stream(torch.cuda.current_stream(tensor.device))
     with torch.cuda.stream(side):
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        if hooks.retained is not None:
+            hooks.retained.append(host)
         host.copy_(tensor, non_blocking=True)
         done = torch.cuda.Event()
         done.record(side)
@@ -408,7 +425,7 @@ def _enable_offload(hf_model, blocks: list[nn.Module], notes: list[str]) -> bool
     if not blocks or not hasattr(hf_model, "_set_gradient_checkpointing"):
         notes.append("activation offload off (no checkpointable decoder blocks)")
         return False
-    hooks = CpuOffloadHooks()
+    hooks = hf_model.__dict__.setdefault(OFFLOAD_HOOKS, CpuOffloadHooks())
     _wrap_checkpoint_funcs(blocks, hooks)
     # Enabling checkpointing later (the Trainer does, at the start of train()) sets each block's checkpoint function
     # anew: wrap whatever it sets.

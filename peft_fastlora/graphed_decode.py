@@ -21,6 +21,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from ._cuda_graphs import model_fingerprint, warm_up_and_record
 from .fast_path import transformers_model
 from .generation import EAGER_FORWARD, GRAPHED_COMPILED_STEP, GRAPHED_DECODER
 
@@ -111,7 +112,7 @@ def graphed_generate(
     batch, prompt_len = input_ids.shape
     max_len = prompt_len + max_new_tokens + steps_per_graph  # replays may run past the last token kept
     key = (batch, prompt_len, max_len, steps_per_graph, do_sample, temperature, top_k, stop_ids, pad_token_id,
-           input_ids.device, use_graphs, compile_step, _model_fingerprint(hf_model))  # fmt: skip
+           input_ids.device, use_graphs, compile_step, model_fingerprint(hf_model))  # fmt: skip
     call = _model_call(hf_model, compile_step)
     with torch.inference_mode():
         decoder = hf_model.__dict__.get(GRAPHED_DECODER)
@@ -124,7 +125,7 @@ def graphed_generate(
         if decoder.prefill_graph is not None:
             decoder.prefill_graph.replay()
         elif use_graphs:  # the prompt's first run is the warm-up of its recording
-            decoder.prefill_graph = _warm_up_and_record(prefill, prefill)
+            decoder.prefill_graph = warm_up_and_record(prefill, prefill)
         else:
             prefill()
         done_steps, wanted = 1, max_new_tokens
@@ -134,7 +135,7 @@ def graphed_generate(
                 done_steps += steps_per_graph
             elif use_graphs:  # one real step warms up the recording (Triton, cuBLAS, Inductor); then record
                 pool = decoder.prefill_graph.pool()  # replayed one after the other: they can share memory
-                decoder.graph = _warm_up_and_record(lambda: steps(1), lambda: steps(steps_per_graph), pool)
+                decoder.graph = warm_up_and_record(lambda: steps(1), lambda: steps(steps_per_graph), pool)
                 done_steps += 1
             else:
                 steps(1)
@@ -181,20 +182,6 @@ def _ids(given, default) -> Optional[tuple[int, ...]]:
         return None
     ids = (ids,) if isinstance(ids, int) else tuple(int(i) for i in ids)
     return ids or None
-
-
-def _model_fingerprint(hf_model: nn.Module) -> int:
-    """Changes with what a recorded graph has baked in: the address of every parameter and buffer (replaced by a
-    merge or an adapter load; an optimizer step updates them in place and keeps them), each adapter layer's active
-    adapters, disabled and merged flags, and train/eval mode."""
-    state: list = [hf_model.training]
-    state += [t.data_ptr() for t in hf_model.parameters()]
-    state += [t.data_ptr() for t in hf_model.buffers()]
-    for module in hf_model.modules():
-        active = getattr(module, "active_adapters", None)
-        if active is not None and not callable(active):
-            state.append((tuple(active), getattr(module, "disable_adapters", False), getattr(module, "merged", False)))
-    return hash(tuple(state))
 
 
 def _model_call(hf_model: nn.Module, compile_step: bool) -> Callable:
@@ -310,21 +297,6 @@ def _picker(do_sample: bool, temperature: float, top_k: Optional[int]) -> Callab
         return (scores + gumbel).argmax(dim=-1)
 
     return pick
-
-
-def _warm_up_and_record(warm_up: Callable[[], None], record: Callable[[], None], pool=None) -> torch.cuda.CUDAGraph:
-    """Runs ``warm_up`` (real work: Triton compiles, cuBLAS sets up the stream's workspace, Inductor compiles) on a
-    side stream, then records ``record`` on the same stream. Recording runs the Python but not the kernels: the
-    state advances only when the graph is replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        warm_up()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
-        record()
-    return graph
 
 
 def _trim_finished(out: torch.Tensor, prompt_len: int, stop_ids: Optional[torch.Tensor]) -> torch.Tensor:

@@ -144,7 +144,7 @@ def test_bench_train_step_tiny_cpu(tmp_path):
     for col in ("provider", "batch", "seq", "ckpt", "tokens_per_s", "ratio_to_bf16", "peak_GiB", "status"):
         assert col in columns
     providers = {"bf16-lora", "peft-bnb-nf4", "peft-bnb-nf4-dq", "peft-bnb-int8", "fastlora-nf4", "fastlora-nf4-dq",
-                 "fastlora-int8", "fastpath-nf4"}  # fmt: skip
+                 "fastlora-int8", "fastpath-nf4", "fastpath-graph-nf4"}  # fmt: skip
     assert {r["provider"] for r in rows} == providers
     assert {(r["batch"], r["ckpt"]) for r in rows} == {("1", "off"), ("1", "on"), ("2", "off"), ("2", "on")}
     bad = [(r["provider"], r["batch"], r["ckpt"], r["error"]) for r in rows if r["status"] != "ok"]
