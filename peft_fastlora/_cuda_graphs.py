@@ -23,6 +23,33 @@ def model_fingerprint(model: nn.Module) -> int:
     return hash(tuple(state))
 
 
+class RecordedModel:
+    """What a recording baked in of a model, checked per replay at a fraction of [`model_fingerprint`]'s cost (it
+    walks every module by name, milliseconds on a slow host for an 8-layer PEFT model): the module tree (a layer
+    swapped, e.g. by ``merge_and_unload``), every parameter and buffer (the same tensor object at the same address),
+    each adapter layer's active adapters and disabled / merged flags, and train/eval mode of the top module."""
+
+    def __init__(self, model: nn.Module) -> None:
+        modules = list(model.modules())
+        self.model, self.training = model, model.training
+        self.tree = [(m._modules, name, child) for m in modules for name, child in m._modules.items()]
+        self.tensors = [(table, name, t, t.data_ptr()) for m in modules for table in (m._parameters, m._buffers)
+                        for name, t in table.items() if t is not None]  # fmt: skip
+        self.adapters = [m for m in modules if getattr(m, "active_adapters", None) is not None
+                         and not callable(m.active_adapters)]  # fmt: skip
+        self.adapter_state = self._adapter_state()
+
+    def _adapter_state(self) -> list:
+        return [(tuple(m.active_adapters), getattr(m, "disable_adapters", False), getattr(m, "merged", False))
+                for m in self.adapters]  # fmt: skip
+
+    def unchanged(self) -> bool:
+        return (self.model.training == self.training
+                and all(table.get(name) is child for table, name, child in self.tree)
+                and all(table.get(name) is t and t.data_ptr() == ptr for table, name, t, ptr in self.tensors)
+                and self._adapter_state() == self.adapter_state)  # fmt: skip
+
+
 def warm_up(function: Callable[[], None]) -> torch.cuda.Stream:
     """Runs ``function`` (real work: Triton compiles, cuBLAS sets up the stream's workspace, Inductor compiles) on a
     new side stream and makes the current stream wait for it; returns that stream, to record on."""

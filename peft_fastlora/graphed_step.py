@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ._cuda_graphs import model_fingerprint, record, warm_up
+from ._cuda_graphs import RecordedModel, record, warm_up
 from .fast_path import OFFLOAD_HOOKS, transformers_model
 
 # Adam and AdamW can run their update inside a CUDA graph (``capturable=True``, or ``fused=True``) with their step
@@ -189,7 +189,7 @@ class GraphedTrainStep:
             micro = record(self._record_forward_backward, stream)
         update = record(self._record_update, stream, pool=micro.pool())
         self._graphs = (micro, update)
-        self._fingerprint = model_fingerprint(self.model)
+        self._recorded_model = RecordedModel(self.model)
 
     def _record_forward_backward(self) -> None:
         self._loss = self._forward_backward()
@@ -199,7 +199,7 @@ class GraphedTrainStep:
         torch._foreach_zero_([g for _, g in self._grads])
 
     def _check_unchanged(self) -> None:
-        if model_fingerprint(self.model) != self._fingerprint:
+        if not self._recorded_model.unchanged():
             raise RuntimeError("the model changed since the step was recorded (a parameter or buffer replaced, an "
                                "adapter switched, merged or disabled, or train/eval mode changed); create a new "
                                "GraphedTrainStep for the model as it is now.")  # fmt: skip

@@ -201,6 +201,37 @@ def test_a_forward_without_loss_is_refused(tiny_llama_path):
         step(batch)
 
 
+def test_recorded_model_notices_what_a_replay_would_get_wrong(tiny_llama_path):
+    from peft_fastlora._cuda_graphs import RecordedModel
+
+    model = _model(tiny_llama_path)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    recorded = RecordedModel(model)
+    model(**_batches(1)[0]).loss.backward()
+    optimizer.step()  # in place: what a replay does
+    assert recorded.unchanged()
+    model.eval()
+    assert not recorded.unchanged()
+    model.train()
+    assert recorded.unchanged()
+    layer = model.get_base_model().model.layers[0].self_attn.q_proj
+    lora_a = layer.lora_A["default"].weight
+    with torch.no_grad():
+        lora_a.data = lora_a.data.clone()  # same Parameter, new storage
+    assert not recorded.unchanged()
+    changes = [
+        lambda m: m.add_adapter("other", fast_config()) or m.set_adapter("other"),
+        lambda m: m.get_base_model().model.layers[1].mlp.down_proj.merge(),
+        lambda m: m.base_model.disable_adapter_layers(),
+        lambda m: setattr(m.get_base_model().model.layers[1], "mlp", torch.nn.Identity()),
+    ]
+    for change in changes:
+        model = _model(tiny_llama_path)
+        recorded = RecordedModel(model)
+        change(model)
+        assert not recorded.unchanged()
+
+
 def _sdpa_spy(monkeypatch):
     """Records (mask given?, is_causal, capturing?) of every SDPA call."""
     calls = []
