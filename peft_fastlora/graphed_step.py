@@ -67,8 +67,8 @@ class GraphedTrainStep:
             loss is divided by it before backward.
         max_grad_norm (`float`, *optional*): Clip the gradients' total norm to this before each update; the norm
             before clipping is then in ``grad_norm`` after the update.
-        autocast_dtype (`torch.dtype`, *optional*): Run the forward under ``torch.autocast`` with this dtype
-            (``torch.bfloat16``); `None`: no autocast. ``torch.float16`` is refused (see above).
+        autocast_dtype (`torch.dtype`, *optional*): ``torch.bfloat16``: run the forward under ``torch.autocast``
+            with it; `None`: no autocast. ``torch.float16`` is refused (see above).
         forward_kwargs (`dict`, *optional*): Constant keyword arguments of every forward (``use_cache=False`` is
             added unless given).
         warmup_steps (`int`, *optional*, defaults to 2): Eager steps before recording (at least 1).
@@ -175,18 +175,18 @@ class GraphedTrainStep:
                 self.optimizer.zero_grad(set_to_none=True)
             self._forward_backward()  # leaves every gradient allocated, where the recording will accumulate them
 
-        stream = warm_up(warm_up_steps)
-        saved.restore()
-        self._grads = [(p, p.grad) for p in self._params if p.grad is not None]
-        torch._foreach_zero_([g for _, g in self._grads])
-        self._hyper = _hyperparameters(self.optimizer)
-        self._retained: list[torch.Tensor] = []  # pinned buffers of the activation offload, replayed into
-        hooks = _offload_hooks(self.model)
-        with contextlib.ExitStack() as recording:
-            if hooks is not None:
-                recording.enter_context(hooks.retaining(self._retained))
-            recording.enter_context(_causal_attention(self.model, self._inputs))
-            micro = record(self._record_forward_backward, stream)
+        # The warm-up runs with the attention the recording will use, so that whatever it compiles (Triton, compiled
+        # blocks guarding on the attention implementation) is compiled before recording.
+        with _causal_attention(self.model, self._inputs):
+            stream = warm_up(warm_up_steps)
+            saved.restore()
+            self._grads = [(p, p.grad) for p in self._params if p.grad is not None]
+            torch._foreach_zero_([g for _, g in self._grads])
+            self._hyper = _hyperparameters(self.optimizer)
+            self._retained: list[torch.Tensor] = []  # pinned buffers of the activation offload, replayed into
+            hooks = _offload_hooks(self.model)
+            with hooks.retaining(self._retained) if hooks is not None else contextlib.nullcontext():
+                micro = record(self._record_forward_backward, stream)
         update = record(self._record_update, stream, pool=micro.pool())
         self._graphs = (micro, update)
         self._recorded_model = RecordedModel(self.model)
@@ -239,8 +239,8 @@ def _check_arguments(optimizer, accumulation_steps, max_grad_norm, autocast_dtyp
     if autocast_dtype == torch.float16:
         raise ValueError("autocast_dtype=torch.float16 needs a gradient scaler, whose step reads its overflow flag on "
                          "the host and cannot be recorded; use torch.bfloat16, or train fp16 with an eager loop.")
-    if autocast_dtype not in (None, torch.bfloat16, torch.float32):
-        raise ValueError(f"`autocast_dtype` must be torch.bfloat16, torch.float32 or None, got {autocast_dtype!r}.")
+    if autocast_dtype not in (None, torch.bfloat16):
+        raise ValueError(f"`autocast_dtype` must be torch.bfloat16 or None (no autocast), got {autocast_dtype!r}.")
     if not isinstance(warmup_steps, int) or warmup_steps < 1:
         raise ValueError(f"`warmup_steps` must be an int >= 1 (Triton compiles and the optimizer's state must exist "
                          f"before recording), got {warmup_steps!r}.")  # fmt: skip
