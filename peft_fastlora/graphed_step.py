@@ -1,4 +1,4 @@
-"""A training step recorded once as CUDA graphs and replayed: no Python and no launches on the host per step.
+"""A training step recorded once as CUDA graphs and replayed: none of the model's Python or launches per step.
 
 At batch 1 (2,048 tokens of an 8-layer Llama-3-8B-shaped model on an H100) a FastLoRA step is bound by host time:
 the GPU waits for the Python of the forward, of the checkpointed recompute and of the autograd engine (tens of
@@ -22,8 +22,8 @@ What a recording fixes, and how this module keeps it true:
   mask whenever a CUDA stream is capturing, because it cannot read a padding mask then, and hands it to SDPA, which
   then runs its masked kernels (3x the attention time of ``is_causal=True`` on an H100 at 4 x 2,048 tokens: 25.9 vs
   8.5 ms a step). When the batch has no ``attention_mask`` and no ``position_ids`` (no padding, no packing) and no
-  sliding window reaches back past the sequence, the mask is the causal one, so the recording runs the model with an
-  attention implementation that makes no mask and calls transformers' SDPA attention with ``is_causal``.
+  sliding window reaches back past the sequence, the mask is the causal one, so the warm-up and the recording run the
+  model with an attention implementation that makes no mask and calls transformers' SDPA attention with ``is_causal``.
 """
 
 from __future__ import annotations
