@@ -4,9 +4,19 @@ and how one is made."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Optional
 
 import torch
 from torch import nn
+
+
+def adapter_flags(module: nn.Module) -> Optional[tuple]:
+    """``(active adapters, disabled, merged)`` of a PEFT adapter layer (a recording bakes them in); None for a module
+    that is not one."""
+    active = getattr(module, "active_adapters", None)
+    if active is None or callable(active):
+        return None
+    return tuple(active), getattr(module, "disable_adapters", False), getattr(module, "merged", False)
 
 
 def model_fingerprint(model: nn.Module) -> int:
@@ -16,10 +26,7 @@ def model_fingerprint(model: nn.Module) -> int:
     state: list = [model.training]
     state += [t.data_ptr() for t in model.parameters()]
     state += [t.data_ptr() for t in model.buffers()]
-    for module in model.modules():
-        active = getattr(module, "active_adapters", None)
-        if active is not None and not callable(active):
-            state.append((tuple(active), getattr(module, "disable_adapters", False), getattr(module, "merged", False)))
+    state += [flags for flags in map(adapter_flags, model.modules()) if flags is not None]
     return hash(tuple(state))
 
 
@@ -35,13 +42,11 @@ class RecordedModel:
         self.tree = [(m._modules, name, child) for m in modules for name, child in m._modules.items()]
         self.tensors = [(table, name, t, t.data_ptr()) for m in modules for table in (m._parameters, m._buffers)
                         for name, t in table.items() if t is not None]  # fmt: skip
-        self.adapters = [m for m in modules if getattr(m, "active_adapters", None) is not None
-                         and not callable(m.active_adapters)]  # fmt: skip
+        self.adapters = [m for m in modules if adapter_flags(m) is not None]
         self.adapter_state = self._adapter_state()
 
     def _adapter_state(self) -> list:
-        return [(tuple(m.active_adapters), getattr(m, "disable_adapters", False), getattr(m, "merged", False))
-                for m in self.adapters]  # fmt: skip
+        return [adapter_flags(m) for m in self.adapters]
 
     def unchanged(self) -> bool:
         return (self.model.training == self.training

@@ -314,10 +314,8 @@ def _no_mask(*args, **kwargs) -> None:
 def _causal_attention(model: nn.Module, inputs: dict[str, torch.Tensor]):
     """Runs a transformers model whose attention is SDPA with [`_causal_sdpa`] (and no mask built) while inside, if the
     batch needs no mask beyond causality; else changes nothing."""
-    try:
-        config = transformers_model(model).config
-    except TypeError:
-        config = None
+    hf_model = _transformers_model_or_none(model)
+    config = None if hf_model is None else hf_model.config
     ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
     if config is None or ids is None or not _plain_causal(config, ids.shape[1], inputs):
         yield
@@ -345,13 +343,19 @@ def _plain_causal(config, seq_len: int, inputs: dict[str, torch.Tensor]) -> bool
     return all(kind == "full_attention" for kind in layer_types) or (window is not None and seq_len < window)
 
 
+def _transformers_model_or_none(model: nn.Module) -> Optional[nn.Module]:
+    """The transformers model (under a `PeftModel`), or None for any other module: no fast path, no transformers
+    attention to adjust."""
+    try:
+        return transformers_model(model)
+    except TypeError:
+        return None
+
+
 def _offload_hooks(model: nn.Module):
     """The model's activation-offload hooks ([`enable_fast_path`] with ``offload_activations``), if any."""
-    try:
-        model = transformers_model(model)
-    except TypeError:  # not a transformers model: no fast path on it
-        pass
-    return model.__dict__.get(OFFLOAD_HOOKS)
+    hf_model = _transformers_model_or_none(model)
+    return (model if hf_model is None else hf_model).__dict__.get(OFFLOAD_HOOKS)
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
