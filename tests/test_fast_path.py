@@ -319,9 +319,12 @@ def test_offloaded_checkpointing_matches_and_moves_inputs_to_cpu(tiny_llama_path
     packed = []
     original = fast_path._pack
 
+    waiting = []
+
     def recording_pack(hooks, min_bytes, tensor):
         out = original(hooks, 0, tensor)  # every size: the tiny model's activations are small
         packed.append(not isinstance(out, torch.Tensor))
+        waiting.append(len(hooks.pending))  # the copy just started; the ones before it are released
         return out
 
     monkeypatch.setattr(fast_path, "_pack", recording_pack)  # before the hooks bind it
@@ -335,6 +338,8 @@ def test_offloaded_checkpointing_matches_and_moves_inputs_to_cpu(tiny_llama_path
     loss_p, grads_p = loss_and_grads(plain, ids)
     loss_f, grads_f = loss_and_grads(fast, ids)
     assert any(packed), "no checkpointed input went to CPU memory"
+    hooks = fast_path.transformers_model(fast).__dict__[fast_path.OFFLOAD_HOOKS]
+    assert max(waiting) == 1 and hooks.pending == []  # one GPU tensor held at a time; none after backward
     assert torch.equal(loss_p, loss_f)
     for name in grads_p:
         assert torch.equal(grads_p[name], grads_f[name]), name

@@ -4,7 +4,8 @@ Shapes (leading dims of ``x`` flattened into M): x, lora_x (M, K); W (N, K); A (
 (M, r); y (M, N).
 
 The base matmul runs on cuBLAS against a W that is dequantized into a fresh tensor from the caching allocator and
-dropped as soon as the matmul is queued. W is NOT saved for backward: it is as large as the layer, and backward
+dropped as soon as the matmul is queued (in windows when W is larger than the activation: [`weight_windows`]). W is
+NOT saved for backward: it is as large as the layer, and backward
 dequantizes it again (one memory-bound pass, about a tenth of the matmul at M=2048). What is saved is small or already
 alive: the LoRA input (only if A needs a grad), xa (M, r), A, B and the quantized container.
 
@@ -21,7 +22,8 @@ op takes it as its three fields (``weight.to_fields()``). Both wrappers save and
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from collections.abc import Callable
+from typing import Optional, Union
 
 import torch
 
@@ -30,6 +32,17 @@ from .quant_state import QuantizedWeight
 
 # Inputs before the weight, in both wrappers' order; the ones with a gradient are (x, bias, lora_a, lora_b, lora_x).
 X, BIAS, LORA_A, LORA_B, SCALING, LORA_X = range(6)
+
+# Each matmul with the base weight needs W dequantized. Where W is larger than the activation it multiplies (few
+# tokens, as at batch 1 with checkpointing, where these copies set the step's peak) it is made in windows, one matmul
+# per window writing its part of the result: forward cuts W's rows (y's columns), backward's ``dx = g @ W`` its
+# columns (dx's columns). A window is at most half the activation, but not under MIN_WINDOW_BYTES (the small
+# attention weights stay whole), at least MIN_WINDOW wide (narrower matmuls fill too few of the GPU's tiles), and
+# there are at most MAX_WINDOWS (past a few, the launches cost more than the memory is worth).
+MIN_WINDOW_BYTES = 32 << 20
+MIN_WINDOW = 1024
+MAX_WINDOWS = 4
+ROW_WINDOW_ALIGN = 64  # forward windows start on a multiple of 64 rows (whole matmul tiles)
 
 
 @functools.cache
@@ -55,6 +68,54 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, alpha: flo
     return out if alpha == 1.0 else out.mul_(alpha)
 
 
+def weight_windows(m: int, n: int, k: int, length: int, align: int, element_size: int) -> list[tuple[int, int]]:
+    """Windows ``[(start, stop), ...]`` covering ``[0, length)`` (``n``: rows, ``k``: columns) of a weight ``(n, k)``
+    dequantized to ``element_size`` bytes and multiplied by an ``(m, k)`` activation: each window at most half the
+    activation's size but not under ``MIN_WINDOW_BYTES``, at most ``length // MIN_WINDOW`` and ``MAX_WINDOWS`` of
+    them, each a multiple of ``align`` wide (``align == 0``: the weight takes no windows, one window)."""
+    window = max(m * k // 2, MIN_WINDOW_BYTES // element_size, 1)
+    count = min(-(-(n * k) // window), length // MIN_WINDOW, MAX_WINDOWS)
+    if count <= 1 or not align:
+        return [(0, length)]
+    width = -(-length // count)
+    width = -(-width // align) * align
+    return [(start, min(start + width, length)) for start in range(0, length, width)]
+
+
+def _base_matmul(x2d: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x2d @ dequant(W).T (+ bias)`` (M, N) in ``x2d.dtype``, W made whole or in row windows."""
+    dequant = kernels.load().dequant
+    n, k = weight.shape
+    bias = None if bias is None else _cast(bias, x2d.dtype)
+    align = ROW_WINDOW_ALIGN if dequant.column_alignment(weight) else 0
+    windows = weight_windows(x2d.shape[0], n, k, n, align, x2d.element_size())
+    if len(windows) == 1:
+        w = dequant.dequantize_triton(weight, x2d.dtype)  # freed on return (the allocator reuses it)
+        return torch.mm(x2d, w.t()) if bias is None else torch.addmm(bias, x2d, w.t())  # bias in cuBLAS' epilogue
+    out = torch.empty(x2d.shape[0], n, dtype=x2d.dtype, device=x2d.device)
+    for start, stop in windows:  # each window is freed once its matmul is queued: the next one reuses its memory
+        w = dequant.dequantize_window(weight, x2d.dtype, (start, stop), (0, k)).t()
+        if bias is None:
+            torch.mm(x2d, w, out=out[:, start:stop])
+        else:
+            torch.addmm(bias[start:stop], x2d, w, out=out[:, start:stop])
+        del w  # before the next window is made, not after
+    return out
+
+
+def _input_grad(g: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """``g @ dequant(W)`` (M, K) in ``g.dtype``, W made whole or in column windows."""
+    dequant = kernels.load().dequant
+    n, k = weight.shape
+    windows = weight_windows(g.shape[0], n, k, k, dequant.column_alignment(weight), g.element_size())
+    if len(windows) == 1:
+        return torch.mm(g, dequant.dequantize_triton(weight, g.dtype))
+    dx = torch.empty(g.shape[0], k, dtype=g.dtype, device=g.device)
+    for start, stop in windows:
+        torch.mm(g, dequant.dequantize_window(weight, g.dtype, (0, n), (start, stop)), out=dx[:, start:stop])
+    return dx
+
+
 def lora_linear_forward(
     x: torch.Tensor,
     bias: Optional[torch.Tensor],
@@ -67,12 +128,7 @@ def lora_linear_forward(
     """Computes ``y`` (``(*x.shape[:-1], N)`` in ``x.dtype``) and ``xa = lora_x @ A.T`` (M, r) for backward."""
     n, k = weight.shape
     x2d = x.reshape(-1, k)
-    w = kernels.load().dequant.dequantize_triton(weight, x.dtype)  # (N, K), freed on return (allocator reuses it)
-    if bias is None:
-        out = torch.mm(x2d, w.t())
-    else:
-        out = torch.addmm(_cast(bias, x.dtype), x2d, w.t())  # bias rides in the cuBLAS epilogue
-    del w
+    out = _base_matmul(x2d, weight, bias)
     xa = None
     if lora_a is not None:
         lx2d = x2d if lora_x is None else _cast(lora_x, x.dtype).reshape(-1, k)
@@ -86,7 +142,7 @@ def lora_linear_backward(
     grad_xa: Optional[torch.Tensor],
     lora_a: Optional[torch.Tensor],
     lora_b: Optional[torch.Tensor],
-    lora_input: Optional[torch.Tensor],
+    lora_input: Union[torch.Tensor, Callable[[], torch.Tensor], None],
     xa: Optional[torch.Tensor],
     bias_dtype: Optional[torch.dtype],
     scaling: float,
@@ -103,7 +159,9 @@ def lora_linear_backward(
         grad_out (`torch.Tensor`): ``dL/dy``, shape ``(*x.shape[:-1], N)``.
         grad_xa (`torch.Tensor`, *optional*): Extra ``dL/dxa`` (M, r) when xa is itself an output (custom op).
         lora_a, lora_b (`torch.Tensor`, *optional*): The adapters (any float dtype; grads come back in it).
-        lora_input (`torch.Tensor`, *optional*): The LoRA branch input (``x`` or ``lora_x``); needed for dA only.
+        lora_input (`torch.Tensor` or callable, *optional*): The LoRA branch input (``x`` or ``lora_x``); needed for
+            dA only. A function returning it is called for dA and its result dropped before W is dequantized (the
+            fused MLP recomputes its ``h`` this way, so ``h`` and W are never alive together).
         xa (`torch.Tensor`, *optional*): ``lora_input @ A.T`` saved by the forward; needed for dB only.
         bias_dtype (`torch.dtype`, *optional*): dtype of the bias grad.
         scaling (`float`): LoRA scaling.
@@ -133,13 +191,13 @@ def lora_linear_backward(
         elif need_db:
             db = _matmul(g.t(), xa.reshape(-1, r), lora_b.dtype, alpha=scaling)
         if need_da:
-            da = _matmul(t.t(), _cast(lora_input.reshape(-1, k), g.dtype), lora_a.dtype)
+            lx = lora_input() if callable(lora_input) else lora_input
+            da = _matmul(t.t(), _cast(lx.reshape(-1, k), g.dtype), lora_a.dtype)
+            del lx
         if need_dlx and separate_lora_x:
             dlx = torch.mm(t, a_cast).view(*grad_out.shape[:-1], k)
     if need_dx:
-        w = kernels.load().dequant.dequantize_triton(weight, g.dtype)
-        dx = torch.mm(g, w)
-        del w
+        dx = _input_grad(g, weight)
         if t is not None and not separate_lora_x:
             dx.addmm_(t, a_cast)  # dx += (scaling * g @ B) @ A, in place
         dx = dx.view(*grad_out.shape[:-1], k)

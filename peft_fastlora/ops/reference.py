@@ -66,6 +66,14 @@ def dequantize_ref(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     return dequantize_4bit_ref(weight, dtype)
 
 
+def dequantize_window_ref(
+    weight: QuantizedWeight, dtype: torch.dtype, rows: tuple[int, int], columns: tuple[int, int]
+) -> torch.Tensor:
+    """Rows x columns of the dequantized weight, contiguous (the twin of ``dequantize_window``; the kernel checks the
+    window, this one slices whatever it is given)."""
+    return dequantize_ref(weight, dtype)[rows[0] : rows[1], columns[0] : columns[1]].contiguous()
+
+
 def lora_linear_ref(
     x: torch.Tensor,
     weight: QuantizedWeight,
@@ -102,13 +110,16 @@ def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul_backward_ref(
-    grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+    grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, grad_h_is_scratch: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d gate, d up)`` of [`silu_mul_ref`], fp32 math, one rounding each (twin of
-    ``kernels.swiglu.silu_mul_backward``)."""
+    ``kernels.swiglu.silu_mul_backward``; ``grad_h_is_scratch``: d gate is written into ``grad_h``)."""
     dh, g, u = grad_h.float(), gate.float(), up.float()
     sig = torch.sigmoid(g)
-    return (dh * u * sig * (1 + g * (1 - sig))).to(gate.dtype), (dh * g * sig).to(up.dtype)
+    dg, du = (dh * u * sig * (1 + g * (1 - sig))).to(gate.dtype), (dh * g * sig).to(up.dtype)
+    if grad_h_is_scratch and grad_h.dtype == gate.dtype:
+        dg = grad_h.copy_(dg)
+    return dg, du
 
 
 def cross_entropy_grad_ref(logits: torch.Tensor, target: torch.Tensor, grad_scale: float,

@@ -43,14 +43,14 @@ class SwiGLULoraFunction(torch.autograd.Function):
         nig = ctx.needs_input_grad
         swiglu = kernels.load().swiglu
         need_dh = nig[0] or nig[1]
-        h = swiglu.silu_mul(gate, up) if nig[3] else None  # dA = t.T @ h: the one use of h in backward
         needs = (need_dh, nig[2], nig[3], nig[4], False)
-        dh, dbias, da, db, _ = lora_linear_backward(grad_out.contiguous(), None, lora_a, lora_b, h, xa,
-                                                   ctx.bias_dtype, ctx.scaling, needs, False, ctx.weight)  # fmt: skip
-        del h
+        # dA = t.T @ h is the one use of h: made for it and dropped before W is dequantized for dh
+        dh, dbias, da, db, _ = lora_linear_backward(grad_out.contiguous(), None, lora_a, lora_b,
+                                                   lambda: swiglu.silu_mul(gate, up), xa, ctx.bias_dtype, ctx.scaling,
+                                                   needs, False, ctx.weight)  # fmt: skip
         dg = du = None
-        if need_dh:
-            dg, du = swiglu.silu_mul_backward(dh.view(gate.shape), gate, up)
+        if need_dh:  # d gate overwrites dh (read once, elementwise): one activation-sized buffer fewer at this point
+            dg, du = swiglu.silu_mul_backward(dh.view(gate.shape), gate, up, grad_h_is_scratch=True)
         return dg, du, dbias, da, db, None, None
 
 

@@ -14,12 +14,18 @@ import torch
 from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
 
 from peft_fastlora.ops.quant_state import Int8Rowwise, Packed4bit
-from peft_fastlora.ops.reference import dequantize_4bit_ref, dequantize_int8_ref
+from peft_fastlora.ops.reference import dequantize_4bit_ref, dequantize_int8_ref, dequantize_window_ref
 
 from .helpers import DEVICE, dequantize_oracle, quantize
 
 if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-    from peft_fastlora.ops.kernels.dequant import dequantize_4bit, dequantize_int8, dequantize_triton
+    from peft_fastlora.ops.kernels.dequant import (
+        column_alignment,
+        dequantize_4bit,
+        dequantize_int8,
+        dequantize_triton,
+        dequantize_window,
+    )
 else:
     pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1", allow_module_level=True)
 
@@ -145,6 +151,47 @@ def test_out_argument_is_filled_and_returned():
     assert torch.equal(out8, dequantize_int8_ref(int8, torch.float32))
 
 
+# (kind, shape, windows as (rows, columns)): blocksizes 64/128 and double quantization; windows at the start, the
+# middle and the end of both dimensions, one block wide, odd numbers of rows; int8 takes any window.
+WINDOW_CASES = [
+    ("nf4-64-nested", (7, 256), [((0, 7), (0, 64)), ((0, 7), (64, 192)), ((2, 5), (192, 256)), ((3, 7), (0, 256))]),
+    ("fp4-64", (12, 192), [((0, 12), (64, 128)), ((11, 12), (128, 192)), ((0, 5), (0, 192))]),
+    ("nf4-128-nested-bf16storage", (16, 384), [((0, 16), (128, 384)), ((5, 16), (0, 128))]),
+    ("int8", (9, 70), [((0, 9), (0, 1)), ((2, 9), (3, 40)), ((0, 4), (33, 70)), ((8, 9), (0, 70))]),
+]
+
+
+@pytest.mark.parametrize("dtype", OUT_DTYPES, ids=str)
+@pytest.mark.parametrize("kind,shape,windows", WINDOW_CASES, ids=lambda v: str(v)[:24])
+def test_windows_are_bit_exact(kind, shape, windows, dtype):
+    """A window is the same bits as that part of the whole weight (reference, literal oracle and bitsandbytes)."""
+    weight, q, st = quantize(torch.randn(shape, device=DEVICE), kind)
+    whole = dequantize_oracle(weight, dtype)
+    if q is not None:
+        assert torch.equal(whole, bnb_dequant_torch(q, st, dtype))
+    for rows, columns in windows:
+        out = dequantize_window(weight, dtype, rows, columns)
+        assert out.shape == (rows[1] - rows[0], columns[1] - columns[0]) and out.is_contiguous()
+        assert out.dtype == dtype
+        assert torch.equal(out, whole[rows[0] : rows[1], columns[0] : columns[1]]), (rows, columns)
+        assert torch.equal(out, dequantize_window_ref(weight, dtype, rows, columns)), (rows, columns)
+
+
+def test_window_alignment_and_refusals():
+    nf4, _, _ = make_4bit((4, 128), blocksize=64)
+    ragged, _, _ = make_4bit((4, 96), blocksize=64)  # rows of 1.5 blocks: no windows
+    int8, _, _ = quantize(torch.randn(4, 10, device=DEVICE), "int8")
+    assert (column_alignment(nf4), column_alignment(ragged), column_alignment(int8)) == (64, 0, 1)
+    whole = dequantize_window(nf4, torch.float32, (0, 4), (0, 128))
+    assert torch.equal(whole, dequantize_4bit_ref(nf4, torch.float32))
+    bad = [(nf4, (0, 4), (32, 128)), (nf4, (0, 4), (0, 100)), (nf4, (0, 4), (64, 64)), (nf4, (0, 4), (0, 192)),
+           (nf4, (2, 2), (0, 64)), (nf4, (0, 5), (0, 64)), (ragged, (0, 4), (0, 64)),
+           (int8, (0, 4), (-1, 4))]  # fmt: skip
+    for weight, rows, columns in bad:
+        with pytest.raises(ValueError, match=r"`rows`, `columns` = \(" + str(rows[0])):
+            dequantize_window(weight, torch.float32, rows, columns)
+
+
 def _replace(weight: Packed4bit, **changes) -> Packed4bit:
     return dataclasses.replace(weight, **changes)
 
@@ -186,6 +233,20 @@ def test_gpu_real_shapes_match_bitsandbytes_cuda(shape, quant_type, nested, w_dt
         out = dequantize_4bit(weight, dtype)
         assert torch.equal(out, expected.to(dtype))
         assert torch.equal(out, dequantize_4bit_ref(weight, dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["nf4-64-nested", "int8"])
+@pytest.mark.parametrize("shape,rows,columns", [
+    ((4096, 14336), (0, 4096), (0, 7168)), ((4096, 14336), (0, 4096), (7168, 14336)),
+    ((4096, 14336), (2048, 4096), (0, 14336)), ((14336, 4096), (0, 14336), (1024, 2048)),
+    ((14336, 4096), (12288, 14336), (0, 4096)),
+], ids=str)  # fmt: skip
+def test_gpu_windows_of_real_shapes(kind, shape, rows, columns):
+    weight, _, _ = quantize(torch.randn(shape, device="cuda"), kind)
+    whole = dequantize_triton(weight, torch.bfloat16)
+    part = whole[rows[0] : rows[1], columns[0] : columns[1]]
+    assert torch.equal(dequantize_window(weight, torch.bfloat16, rows, columns), part)
 
 
 @pytest.mark.gpu

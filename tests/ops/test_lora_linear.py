@@ -7,10 +7,14 @@ On CPU the Function runs with the interpreted Triton dequant (the ``force_triton
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
 from peft_fastlora.ops import LoraLinearFunction, fastlora_linear, kernels
+from peft_fastlora.ops import lora_linear as lora_linear_module
+from peft_fastlora.ops.lora_linear import weight_windows
 from peft_fastlora.ops.reference import lora_linear_ref
 
 from .helpers import assert_close_scaled, make_inputs, make_weight
@@ -154,6 +158,70 @@ def test_forward_does_not_save_dequantized_weight(force_triton, via_dispatch):
     y.sum().backward()
 
 
+QUARTERS = {4096: [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4096)],
+            14336: [(0, 3584), (3584, 7168), (7168, 10752), (10752, 14336)]}
+
+
+@pytest.mark.parametrize(("m", "n", "k", "length", "expected"), [
+    (2048, 4096, 14336, 4096, QUARTERS[4096]),  # down projection at 2048 tokens, forward (W's rows): W is 2x x
+    (2048, 4096, 14336, 14336, QUARTERS[14336]),  # ... its dx (W's columns)
+    (2048, 14336, 4096, 14336, QUARTERS[14336]),  # up projection, forward: 7x x, at most 4 windows
+    (2048, 14336, 4096, 4096, QUARTERS[4096]),
+    (8192, 14336, 4096, 4096, QUARTERS[4096]),  # at 8192 tokens: W is still 1.75x x
+    (8192, 4096, 14336, 14336, [(0, 14336)]),  # the activation is larger than W: whole
+    (2048, 4096, 4096, 4096, [(0, 4096)]),  # q/o projection: 32 MiB, not cut
+    (2048, 1024, 4096, 1024, [(0, 1024)]),
+    (1, 14336, 4096, 2048, [(0, 1024), (1024, 2048)]),  # at least MIN_WINDOW wide
+    (1, 14336, 4096, 2000, [(0, 2000)]),
+])  # fmt: skip
+def test_weight_windows(m, n, k, length, expected):
+    assert weight_windows(m, n, k, length, 64, 2) == expected
+    assert weight_windows(m, n, k, length, 0, 2) == [(0, length)]  # a weight without windows
+
+
+def test_weight_windows_sizes(monkeypatch):
+    monkeypatch.setattr(lora_linear_module, "MIN_WINDOW", 10)
+    monkeypatch.setattr(lora_linear_module, "MIN_WINDOW_BYTES", 400)
+    assert weight_windows(4, 100, 30, 30, 1, 4) == [(0, 10), (10, 20), (20, 30)]  # 100 floor, 3 x 10 columns
+    assert weight_windows(0, 100, 30, 100, 8, 4) == [(0, 32), (32, 64), (64, 96), (96, 100)]  # 4 windows, aligned
+    assert weight_windows(100, 100, 30, 100, 1, 4) == [(0, 50), (50, 100)]  # half the activation
+
+
+@pytest.mark.parametrize("kind, n, k", [
+    ("nf4-nested", 200, 256), ("int8", 190, 130), ("fp4-nested-bf16storage", 160, 192), ("nf4", 200, 130)
+])  # fmt: skip
+@pytest.mark.parametrize("x_dtype, adapter_dtype, atol, rtol", DTYPE_CASES[:2] + DTYPE_CASES[4:])
+def test_weight_in_windows(force_triton, monkeypatch, kind, n, k, x_dtype, adapter_dtype, atol, rtol):
+    """With W larger than the activation, forward dequantizes it in row windows and backward (dx) in column
+    windows, each matmul writing its part of the result (bias included); output and grads still match the fp32
+    reference. nf4 with K = 130 (rows not whole blocks) takes the whole weight."""
+    monkeypatch.setattr(lora_linear_module, "MIN_WINDOW", 64)
+    monkeypatch.setattr(lora_linear_module, "MIN_WINDOW_BYTES", 64)
+    dequant = kernels.load().dequant
+    windows, real = [], dequant.dequantize_window
+
+    made = []
+
+    def spy(weight, dtype, rows, columns):
+        assert all(ref() is None for ref in made), "a window is made while an earlier one is still alive"
+        windows.append((rows, columns))
+        out = real(weight, dtype, rows, columns)
+        made.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(dequant, "dequantize_window", spy)
+    weight = make_weight(kind, n, k)
+    x, bias, lora_a, lora_b = inputs((3,), n, k, x_dtype, adapter_dtype)
+    run_and_compare(x, weight, bias, lora_a, lora_b, 2.0, None, atol, rtol)
+    if not dequant.column_alignment(weight):
+        assert windows == []
+        return
+    size = x.element_size()
+    rows = [((a, b), (0, k)) for a, b in weight_windows(3, n, k, n, lora_linear_module.ROW_WINDOW_ALIGN, size)]
+    columns = [((0, n), (a, b)) for a, b in weight_windows(3, n, k, k, dequant.column_alignment(weight), size)]
+    assert windows == rows + columns and len(rows) > 1 and len(columns) > 1
+
+
 # ---- GPU ------------------------------------------------------------------------------------------------------------
 LLAMA_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (N, K): q/o proj, gate/up proj, down proj
 GPU_CASES = [
@@ -219,3 +287,33 @@ def test_gpu_forward_memory_grows_less_than_one_weight_per_layer():
     assert torch.cuda.max_memory_allocated() - base < kept + 2 * w_bytes  # one W alive at a time
     h.float().pow(2).mean().backward()
     assert x.grad is not None and all(a.grad is not None for a, _ in adapters)
+
+
+@pytest.mark.gpu
+def test_gpu_large_weight_is_made_in_windows():
+    """The down projection at 2048 tokens: W (4096 x 14336, 112 MiB in bf16) is twice x, so forward and backward
+    each make it in four windows and never hold more than one."""
+    n, k, m = 4096, 14336, 2048
+    weight = make_weight("nf4-nested", n, k, device="cuda")
+    x, bias, lora_a, lora_b = inputs((m,), n, k, torch.bfloat16, torch.bfloat16, r=16, device="cuda", bias=False)
+    w_bytes, x_bytes, y_bytes = n * k * 2, m * k * 2, m * n * 2
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    y = function(x, weight, None, lora_a, lora_b, 2.0, None)
+    torch.cuda.synchronize()
+    grown = torch.cuda.max_memory_allocated() - before
+    assert grown < y_bytes + 0.35 * w_bytes, f"forward grew by {grown / 2**20:.0f} MiB"
+    grad = torch.randn_like(y)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    y.backward(grad)
+    torch.cuda.synchronize()
+    grown = torch.cuda.max_memory_allocated() - before
+    assert grown < x_bytes + 0.35 * w_bytes, f"backward grew by {grown / 2**20:.0f} MiB"
+    x_ref = x.detach().float().requires_grad_()
+    y_ref = lora_linear_ref(x_ref, weight, None, lora_a.detach().float(), lora_b.detach().float(), 2.0, None)
+    y_ref.backward(grad.float())
+    assert_close_scaled(y, y_ref, 2e-2, 2e-2, "y")
+    assert_close_scaled(x.grad, x_ref.grad, 2e-2, 2e-2, "dx")

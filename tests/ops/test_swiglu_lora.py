@@ -40,6 +40,25 @@ def test_kernels_match_their_twins(force_triton, shape, dtype, atol, rtol):
     torch.testing.assert_close(du, du_ref, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype, atol, rtol", ELEMENTWISE_CASES)
+def test_backward_into_its_gradient_matches_the_twin(force_triton, dtype, atol, rtol):
+    """``grad_h_is_scratch``: d gate is written over grad_h (kernel and twin alike); d up is its own tensor. A grad
+    of another dtype than gate is not reused."""
+    swiglu = kernels.load().swiglu
+    gate, up = (torch.randn(3, 1000) * 3).to(dtype), torch.randn(3, 1000).to(dtype)
+    grad = torch.randn(3, 1000).to(dtype)
+    dg_ref, du_ref = silu_mul_backward_ref(grad, gate, up)
+    for backward in (swiglu.silu_mul_backward, silu_mul_backward_ref):
+        scratch = grad.clone()
+        dg, du = backward(scratch, gate, up, grad_h_is_scratch=True)
+        assert dg.data_ptr() == scratch.data_ptr() and du.data_ptr() != scratch.data_ptr()
+        torch.testing.assert_close(dg, dg_ref, atol=atol, rtol=rtol)
+        torch.testing.assert_close(du, du_ref, atol=atol, rtol=rtol)
+    other = grad.double() if dtype != torch.float32 else grad.half()
+    dg, _ = swiglu.silu_mul_backward(other, gate, up, grad_h_is_scratch=True)
+    assert dg.dtype == dtype and dg.data_ptr() != other.data_ptr()
+
+
 def test_backward_twin_is_autograd_of_the_forward_twin():
     gate, up = torch.randn(64, dtype=torch.float64, requires_grad=True), torch.randn(64, dtype=torch.float64)
     up.requires_grad_()
@@ -99,6 +118,35 @@ def test_keeps_gate_and_up_but_not_h(force_triton):
     assert fused == gate.nbytes + up.nbytes + small
     unfused = saved_bytes(lambda: kernels_path_unfused(gate, up, weight, bias, a, b))
     assert unfused >= fused + gate.nbytes  # h (and silu's own saved tensors) on top
+
+
+def test_backward_drops_h_before_dequantizing_w(force_triton, monkeypatch):
+    """Backward remakes h for dA only: h is gone when W is dequantized for dh (they would set the peak together)."""
+    import weakref
+
+    swiglu, dequant = kernels.load().swiglu, kernels.load().dequant
+    made, alive_at_dequant = [], []
+    real_silu_mul, real_dequant = swiglu.silu_mul, dequant.dequantize_triton
+
+    def silu_mul(gate, up):
+        h = real_silu_mul(gate, up)
+        made.append(weakref.ref(h))
+        return h
+
+    def dequantize(weight, dtype, out=None):
+        alive_at_dequant.append(sum(ref() is not None for ref in made))
+        return real_dequant(weight, dtype, out)
+
+    monkeypatch.setattr(swiglu, "silu_mul", silu_mul)
+    monkeypatch.setattr(dequant, "dequantize_triton", dequantize)
+    y, y_ref, leaves, ref = fused_and_reference((6,), 24, 64, "nf4-nested", torch.float32, torch.float32)
+    made.clear(), alive_at_dequant.clear()  # the forward's h and W
+    grad = torch.randn_like(y_ref)
+    y.backward(grad)
+    y_ref.backward(grad)
+    assert len(made) == 1 and alive_at_dequant == [0]
+    for name in ("gate", "up", "lora_a"):
+        assert_close_scaled(leaves[name].grad, ref[name].grad, 1e-4, 1e-4, name)
 
 
 def kernels_path_unfused(gate, up, weight, bias, a, b):

@@ -17,6 +17,7 @@ on the weight container (``quant_state.memo``) per output dtype.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -47,22 +48,32 @@ def _dequant_4bit_kernel(
     nested_absmax_ptr,  # fp32 (n_blocks / NESTED_BLOCKSIZE,)  (NESTED only)
     offset_ptr,  # fp32 ()                   (NESTED only)
     out_ptr,  # (n_elements,) in the output dtype
-    n_elements,
-    n_bytes,
+    n_elements,  # of the output
+    n_bytes,  # packed bytes the output is made of
+    window_bytes,  # WINDOWED: packed bytes per row of the output (its columns / 2)
+    row_bytes,  # WINDOWED: packed bytes per row of the weight
+    start_byte,  # WINDOWED: the window's first packed byte in the weight
     HALF_BLOCK: tl.constexpr,  # bytes per absmax block = blocksize // 2
     NESTED: tl.constexpr,
     NESTED_BLOCKSIZE: tl.constexpr,
     ROWS: tl.constexpr,  # the program's bytes seen as a (ROWS, COLS) tile where each row lies inside one
     COLS: tl.constexpr,  # absmax block, so one scale is loaded per row instead of per byte
+    WINDOWED: tl.constexpr,  # the output is a window of rows x whole absmax blocks of the weight, not all of it
     INTERPRET: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     first_byte = pid * (ROWS * COLS)
-    row_start = first_byte + tl.arange(0, ROWS) * COLS  # (ROWS,)
-    offs_b = row_start[:, None] + tl.arange(0, COLS)[None, :]  # (ROWS, COLS)
-    packed = tl.load(data_ptr + offs_b, mask=offs_b < n_bytes, other=0)
-    scale = load_absmax(absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, row_start // HALF_BLOCK,
-                        row_start < n_bytes, NESTED, NESTED_BLOCKSIZE)[:, None]  # fmt: skip
+    row_start = first_byte + tl.arange(0, ROWS) * COLS  # (ROWS,) in the output's packed bytes
+    if WINDOWED:  # a tile row lies inside one absmax block of the window, so it is one run of weight bytes too
+        src_start = (row_start // window_bytes) * row_bytes + start_byte + row_start % window_bytes
+    else:
+        src_start = row_start
+    inside = row_start < n_bytes  # whole tile rows: n_bytes is a multiple of COLS whenever WINDOWED
+    offs_b = src_start[:, None] + tl.arange(0, COLS)[None, :]  # (ROWS, COLS)
+    in_bytes = (row_start[:, None] + tl.arange(0, COLS)[None, :]) < n_bytes
+    packed = tl.load(data_ptr + offs_b, mask=in_bytes, other=0)
+    scale = load_absmax(absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, src_start // HALF_BLOCK,
+                        inside, NESTED, NESTED_BLOCKSIZE)[:, None]  # fmt: skip
     out_ty = out_ptr.dtype.element_ty
     high, low = decode_nibbles(packed, code_ptr)
     values = tl.interleave(round_to(high * scale, out_ty, INTERPRET), round_to(low * scale, out_ty, INTERPRET))
@@ -74,21 +85,24 @@ def _dequant_4bit_kernel(
 def _dequant_int8_kernel(
     cb_ptr,  # int8 (N, K), row-major
     scb_ptr,  # fp32 (N,)
-    out_ptr,  # (N, K)
-    N,
+    out_ptr,  # (rows_out, cols_out): the window of the weight starting at (row0, col0)
+    rows_out,
     K,
+    cols_out,
+    row0,
+    col0,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
-    offs = offs_n[:, None] * K + offs_k[None, :]
-    cb = tl.load(cb_ptr + offs, mask=mask, other=0).to(tl.float32)
-    scb = tl.load(scb_ptr + offs_n, mask=offs_n < N, other=0.0)
+    mask = (offs_n < rows_out)[:, None] & (offs_k < cols_out)[None, :]
+    cb = tl.load(cb_ptr + (row0 + offs_n)[:, None] * K + col0 + offs_k[None, :], mask=mask, other=0).to(tl.float32)
+    scb = tl.load(scb_ptr + row0 + offs_n, mask=offs_n < rows_out, other=0.0)
     # (cb * scb) * (1/127) in this order, like the reference and bitsandbytes.
     values = cb * scb[:, None] * INV_127
+    offs = offs_n[:, None] * cols_out + offs_k[None, :]
     tl.store(out_ptr + offs, round_to(values, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
@@ -115,31 +129,41 @@ class DequantArgs(NamedTuple):
     options: dict
 
 
-def _args_4bit(weight: Packed4bit, dtype: torch.dtype, block_bytes: Optional[int], num_warps: int) -> DequantArgs:
+# A window of the weight: ((first row, end row), (first column, end column)); None is the whole weight.
+Window = Optional[tuple[tuple[int, int], tuple[int, int]]]
+
+
+def _args_4bit(weight: Packed4bit, dtype: torch.dtype, block_bytes: Optional[int], num_warps: int,
+               window: Window = None) -> DequantArgs:  # fmt: skip
     data = packed_bytes(weight)
     require_launchable(_dequant_4bit_kernel, data.device)
     interpret = is_interpreted(_dequant_4bit_kernel)
     if block_bytes is None:
         bytes_per_thread = BYTES_PER_THREAD * 2 // torch.empty((), dtype=dtype).element_size()
         block_bytes = INTERPRETER_BLOCK_BYTES if interpret else bytes_per_thread * 32 * num_warps
-    n = weight.numel
+    n_rows, n_cols = weight.shape
+    (row0, row1), (col0, col1) = window if window is not None else ((0, n_rows), (0, n_cols))
+    n = weight.numel if window is None else (row1 - row0) * (col1 - col0)
     n_bytes = (n + 1) // 2
     half_block = weight.blocksize // 2
     cols = min(half_block, block_bytes)  # powers of two, so cols divides block_bytes and half_block
     nested_code, nested_absmax, offset, nested_blocksize = nested_args(weight)
     before = (data, weight.absmax, weight.code, nested_code, nested_absmax, offset)
-    after = (n, n_bytes, half_block, weight.nested, nested_blocksize, block_bytes // cols, cols, interpret)
+    bytes_ = ((col1 - col0) // 2, n_cols // 2, (row0 * n_cols + col0) // 2)  # window, row, start (in packed bytes)
+    after = (n, n_bytes, *bytes_, half_block, weight.nested, nested_blocksize, block_bytes // cols, cols,
+             window is not None, interpret)  # fmt: skip
     options = dict(num_warps=num_warps, enable_fp_fusion=False)
     return DequantArgs(_dequant_4bit_kernel, data.device, (cdiv(n_bytes, block_bytes),), before, after, options)
 
 
-def _args_int8(weight: Int8Rowwise, dtype: torch.dtype) -> DequantArgs:
+def _args_int8(weight: Int8Rowwise, dtype: torch.dtype, window: Window = None) -> DequantArgs:
     require_launchable(_dequant_int8_kernel, weight.device)
     n_rows, n_cols = weight.shape
-    block_k = min(next_power_of_2(max(n_cols, 1)), INT8_BLOCK)
+    (row0, row1), (col0, col1) = window if window is not None else ((0, n_rows), (0, n_cols))
+    block_k = min(next_power_of_2(max(col1 - col0, 1)), INT8_BLOCK)
     block_n = INT8_BLOCK // block_k
-    grid = (cdiv(n_rows, block_n), cdiv(n_cols, block_k))
-    after = (n_rows, n_cols, block_n, block_k, is_interpreted(_dequant_int8_kernel))
+    grid = (cdiv(row1 - row0, block_n), cdiv(col1 - col0, block_k))
+    after = (row1 - row0, n_cols, col1 - col0, row0, col0, block_n, block_k, is_interpreted(_dequant_int8_kernel))
     options = dict(num_warps=NUM_WARPS_INT8, enable_fp_fusion=False)
     return DequantArgs(_dequant_int8_kernel, weight.device, grid, (weight.cb, weight.scb), after, options)
 
@@ -183,6 +207,47 @@ def dequantize_int8(weight: Int8Rowwise, dtype: torch.dtype, out: Optional[torch
     """Dequantizes a checked row-scaled int8 weight (``cb * scb[:, None] / 127``), bit-exact with the reference."""
     args = memo(weight, ("dequant", dtype), lambda: _args_int8(weight, dtype))
     return _run(args, weight.shape, dtype, out)
+
+
+def column_alignment(weight: QuantizedWeight) -> int:
+    """Windows of the weight ([`dequantize_window`]) start and end on columns that are multiples of this: a 4-bit
+    weight's blocksize (a window is whole absmax blocks of each row), 1 for int8; 0 when the weight takes no windows
+    (4-bit rows that are not whole blocks). Rows may be cut anywhere."""
+    if isinstance(weight, Int8Rowwise):
+        return 1
+    return weight.blocksize if weight.shape[1] % weight.blocksize == 0 else 0
+
+
+def dequantize_window(
+    weight: QuantizedWeight, dtype: torch.dtype, rows: tuple[int, int], columns: tuple[int, int]
+) -> torch.Tensor:
+    """Rows ``[rows[0], rows[1])`` x columns ``[columns[0], columns[1])`` of the dequantized weight, as a contiguous
+    tensor, bit-exact with ``dequantize_ref(weight, dtype)[r0:r1, c0:c1]``; the rest of the weight is never made.
+
+    Args:
+        weight: A checked 4-bit or int8 weight (4-bit: rows of whole absmax blocks, see [`column_alignment`]).
+        dtype (`torch.dtype`): Output dtype.
+        rows (`tuple[int, int]`): ``0 <= r0 < r1 <= out_features``.
+        columns (`tuple[int, int]`): ``0 <= c0 < c1 <= in_features``, multiples of ``column_alignment(weight)``.
+    """
+    (row0, row1), (col0, col1) = rows, columns
+    n_rows, n_cols = weight.shape
+    align = column_alignment(weight)
+    if not align or not (0 <= row0 < row1 <= n_rows and 0 <= col0 < col1 <= n_cols) or col0 % align or col1 % align:
+        raise ValueError(
+            f"`rows`, `columns` = {rows}, {columns}: a window of a {tuple(weight.shape)} weight needs "
+            f"0 <= r0 < r1 <= {n_rows} and 0 <= c0 < c1 <= {n_cols}, columns multiples of "
+            f"{align or 'its blocksize'} (a 4-bit weight's rows must be whole absmax blocks); dequantize the whole "
+            "weight instead."
+        )
+    window = ((row0, row1), (col0, col1))
+    if window == ((0, n_rows), (0, n_cols)):
+        return dequantize_triton(weight, dtype)
+    if isinstance(weight, Int8Rowwise):
+        build = functools.partial(_args_int8, weight, dtype, window)
+    else:
+        build = functools.partial(_args_4bit, weight, dtype, None, NUM_WARPS_4BIT, window)
+    return _run(memo(weight, ("dequant", dtype, window), build), (row1 - row0, col1 - col0), dtype, None)
 
 
 def dequantize_triton(weight: QuantizedWeight, dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:

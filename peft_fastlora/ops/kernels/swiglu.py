@@ -62,9 +62,12 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def silu_mul_backward(grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(d gate, d up)`` of [`silu_mul`] for the gradient ``grad_h`` (fp32 math, one rounding each)."""
-    dg, du = torch.empty_like(gate), torch.empty_like(up)
+def silu_mul_backward(grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *,
+                      grad_h_is_scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(d gate, d up)`` of [`silu_mul`] for the gradient ``grad_h`` (fp32 math, one rounding each);
+    ``grad_h_is_scratch``: the caller gives up ``grad_h`` (of ``gate``'s dtype), and d gate is written into it."""
+    dg = grad_h if grad_h_is_scratch and grad_h.dtype == gate.dtype else torch.empty_like(gate)
+    du = torch.empty_like(up)
     if dg.numel():
         _launch(_silu_mul_backward_kernel, (grad_h, gate, up, dg, du), dg.numel(), gate.device)
     return dg, du
