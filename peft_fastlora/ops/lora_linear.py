@@ -5,9 +5,9 @@ Shapes (leading dims of ``x`` flattened into M): x, lora_x (M, K); W (N, K); A (
 
 The base matmul runs on cuBLAS against a W that is dequantized into a fresh tensor from the caching allocator and
 dropped as soon as the matmul is queued (in windows when W is larger than the activation: [`weight_windows`]). W is
-NOT saved for backward: it is as large as the layer, and backward
-dequantizes it again (one memory-bound pass, about a tenth of the matmul at M=2048). What is saved is small or already
-alive: the LoRA input (only if A needs a grad), xa (M, r), A, B and the quantized container.
+NOT saved for backward: it is as large as the layer, and backward dequantizes it again (one memory-bound pass, about a
+tenth of the matmul at M=2048). What is saved is small or already alive: the LoRA input (only if A needs a grad), xa
+(M, r), A, B and the quantized container.
 
 The LoRA matmuls run in the activation dtype: fp32 adapters are cast to it (r-sized tensors; the M-sized activations
 are never cast), and their grads are returned in the adapter dtype, accumulated straight into fp32 where cuBLAS can.
