@@ -12,7 +12,8 @@ The kernels are compiled with ``enable_fp_fusion=False`` so the multiply-then-ad
 contracted into an FMA (that would change the last bit).
 
 The launchers take arguments that ``peft_fastlora.ops.dispatch`` has checked; their launch arguments are memoized
-on the weight container (``quant_state.memo``) per output dtype.
+on the weight container (``quant_state.memo``) per output dtype and, for [`dequantize_window`], per window (a few per
+weight: ``lora_linear.weight_windows`` makes at most four of each dimension).
 """
 
 from __future__ import annotations
