@@ -429,3 +429,40 @@ def test_timeline_attributes_idle_gaps_to_the_host_operator_that_ended_them():
     assert "autograd::engine::evaluate_function: MmBackward0 > aten::mm" in lines[3]  # the longest gap first
     assert any("cudaStreamSynchronize in (top level)" in line for line in lines)
     assert C.timeline_lines([event("aten::mm", 0, 1, cpu)]) == ["(no GPU or host events recorded)"]
+
+
+def _run_ptx(asm: str, word: int) -> list[int]:
+    """Executes the straight-line PTX of ``probe_small_m.prmt_decode_asm`` (mov/and/or/shr/prmt on b32) for input
+    ``$4 = word``; returns the 8 bf16 bit patterns of ``$0..$3`` (low half first)."""
+    regs = {"$4": word}
+
+    def val(x: str) -> int:
+        return regs[x] if x in regs else int(x, 0)
+
+    for ins in (part.strip() for part in asm.strip("{} ").split(";")):
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, rest = ins.split(None, 1)
+        a = [x.strip() for x in rest.split(",")]
+        if op == "prmt.b32":  # default mode: result byte i = byte (c >> 4i) & 7 of {b, a}; bit 3 must be clear
+            src, sel = val(a[1]) | (val(a[2]) << 32), val(a[3])
+            assert all((sel >> (4 * i)) & 8 == 0 for i in range(4)), "sign-replicate bit set"
+            regs[a[0]] = sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        else:
+            fn = {"mov.b32": lambda x: x, "and.b32": lambda x, y: x & y, "or.b32": lambda x, y: x | y,
+                  "shr.b32": lambda x, y: x >> y}[op]  # fmt: skip
+            regs[a[0]] = fn(*(val(x) for x in a[1:])) & 0xFFFFFFFF
+    return [half for r in ("$0", "$1", "$2", "$3") for half in (regs[r] & 0xFFFF, regs[r] >> 16)]
+
+
+def test_probe_prmt_decode_gives_the_codes_of_a_word():
+    """The ``tcprmt`` probe's byte-permute decode is right (what makes that variant wrong on the GPU is the layout
+    Triton gives its input): element 8w + j of a word is the code of nibble j, high nibble first, as bf16."""
+    probe = _bench_module("probe_small_m")
+    code = torch.linspace(-1, 1, 16) ** 3  # 16 distinct values with distinct low and high bf16 bytes
+    asm = probe.prmt_decode_asm(code)
+    bf16 = (code.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
+    gen = torch.Generator().manual_seed(0)
+    for word in torch.randint(0, 2**32, (300,), generator=gen, dtype=torch.int64).tolist():
+        nibbles = [(word >> (8 * (j // 2) + 4 * (1 - j % 2))) & 0xF for j in range(8)]
+        assert _run_ptx(asm, word) == [bf16[q] for q in nibbles], hex(word)
