@@ -28,6 +28,8 @@ use because they are not deterministic):
              bit 3 picks the table half), one absmax block (64 K) per ``tl.dot``, scaled in fp32 after the MMA.
              Reported wrong on Triton 3.6: the decode needs a word's 8 elements in one thread (pack=8), and the
              layout Triton gives it (the MMA operand's) spreads them over 4 lanes
+  tcprmtb    tcprmt with W as the MMA's second operand and K permuted per 64-wide block so that a thread's operand
+             registers hold whole words (see the kernel's docstring). Also wrong on Triton 3.6 (docs/kernels.md)
   int8       int8 weights as 32-bit words, sign-extended bytes, FMAs, row scale
 
 The ``lut`` kernel is checked against the reference before it is timed. Results: ``probe_small_m.csv`` in --out.
@@ -252,7 +254,7 @@ def _probe_4bit_tcprmt(
         for b in tl.static_range(NB):
             words = tl.load(w_ptr + rows[:, None] * words_per_row + (w0 + b * 8 + wi)[None, :], mask=mask_n[:, None],
                             other=0)  # fmt: skip
-            wide = words[:, :, None] + tl.zeros((1, 1, 8), tl.int32)  # each word once per element it holds
+            wide = words[:, :, None] ^ wi[None, None, :]  # distinct per element (see tcprmtb); j = 0 is the word
             w = tl.inline_asm_elementwise(DECODE_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [wide], dtype=tl.bfloat16,
                                           is_pure=True, pack=8)  # fmt: skip
             w = tl.reshape(w, (BLOCK_N, 64))
@@ -264,6 +266,56 @@ def _probe_4bit_tcprmt(
                                   NESTED_BLOCKSIZE, MUL_RN)  # fmt: skip
             acc += tl.dot(w, xt) * scale[:, None]
     result = tl.sum(acc, axis=1)
+    if ATOMIC:
+        tl.atomic_add(out_ptr + offs_n, result, mask=mask_n)
+    else:
+        tl.store(out_ptr + offs_n, result, mask=mask_n)
+
+
+@triton.jit
+def _probe_4bit_tcprmtb(
+    x_ptr, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr, out_ptr,
+    N, words_per_row, blocks_per_row, words_per_split, n_words,
+    MODE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr, ATOMIC: tl.constexpr, MUL_RN: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE_ASM: tl.constexpr,
+):  # fmt: skip
+    """tcprmt with W as the MMA's second operand, x (16 rows, row 0 real) as the first, and K permuted within each
+    64-wide block so that a thread's operand registers hold whole words: the MMA's operand layout gives a thread
+    k = 2t, 2t+1, 2t+8, 2t+9 of each 16-wide step for one column; logical k = 32 s1 + 16 s0 + 8 h + 2 t + e is read
+    from physical k = 8 (2 t + s1) + 4 s0 + 2 h + e, the same permutation for x and W (a sum over k does not care)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    NB: tl.constexpr = BLOCK_K // 64
+    wi = tl.arange(0, 8)
+    kl = tl.arange(0, 64)
+    k_phys = 16 * ((kl >> 1) & 3) + 8 * (kl >> 5) + 4 * ((kl >> 4) & 1) + 2 * ((kl >> 3) & 1) + (kl & 1)
+    xrows = tl.arange(0, 16)
+    w_start = pid_k * words_per_split
+    w_end = tl.minimum(w_start + words_per_split, n_words)
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for w0 in range(w_start, w_end, BLOCK_K // 8):
+        for b in tl.static_range(NB):
+            words = tl.load(w_ptr + rows[:, None] * words_per_row + (w0 + b * 8 + wi)[None, :], mask=mask_n[:, None],
+                            other=0)  # fmt: skip
+            # Element j of a word's 8 carries word ^ j: distinct values (Triton folds a plain broadcast to one
+            # register per word, and the 8-element pack then loses its layout); the decode reads only j = 0's.
+            wide = words[:, :, None] ^ wi[None, None, :]
+            w = tl.inline_asm_elementwise(DECODE_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [wide], dtype=tl.bfloat16,
+                                          is_pure=True, pack=8)  # fmt: skip  (BLOCK_N, word, j)
+            w = tl.reshape(w, (BLOCK_N, 4, 2, 2, 2, 2))  # (n, t, s1, s0, h, e)
+            w = tl.permute(w, (2, 3, 4, 1, 5, 0))  # (s1, s0, h, t, e, n)
+            w = tl.reshape(w, (64, BLOCK_N))
+            x_row = tl.load(x_ptr + (w0 + b * 8) * 8 + k_phys)  # (64,) in logical order
+            xt = tl.where((xrows == 0)[:, None], x_row[None, :], 0.0).to(x_row.dtype)  # (16, 64): row 0 is x
+            blk = rows * blocks_per_row + (w0 // 8 + b)
+            raw = tl.load(absmax_ptr + blk, mask=mask_n, other=0)
+            scale = decode_absmax(raw, blk, mask_n, nested_code_ptr, nested_absmax_ptr, offset_ptr, True,
+                                  NESTED_BLOCKSIZE, MUL_RN)  # fmt: skip
+            acc += tl.dot(xt, w) * scale[None, :]
+    result = tl.sum(acc, axis=0)
     if ATOMIC:
         tl.atomic_add(out_ptr + offs_n, result, mask=mask_n)
     else:
@@ -306,8 +358,8 @@ def launch_4bit(x, weight, out, mode, split, tile):
     grid = (C.cdiv(n, block_n), C.cdiv(n_words, words_per_split))
     words = weight.data.reshape(-1).view(torch.uint8).view(torch.int32)
     extra = {}
-    if mode == MODES["tcprmt"]:
-        kernel = _probe_4bit_tcprmt
+    if mode in (MODES["tcprmt"], MODES["tcprmtb"]):
+        kernel = _probe_4bit_tcprmt if mode == MODES["tcprmt"] else _probe_4bit_tcprmtb
         key = weight.code.data_ptr()  # computed outside CUDA-graph capture: the warm-up call comes first
         if key not in _DECODE_ASM:
             _DECODE_ASM[key] = prmt_decode_asm(weight.code)
