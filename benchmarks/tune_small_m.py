@@ -44,6 +44,7 @@ measured shape replaces its entry) and writes the merged table to --out too.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import itertools
 import math
@@ -64,6 +65,7 @@ import _common as C  # noqa: E402  (puts the repo root on sys.path)
 import torch  # noqa: E402
 
 from peft_fastlora.ops.kernels.tuning import (  # noqa: E402
+    BLOCK_MS,
     CONFIG_FIELDS,
     SmallMConfig,
     effective_split_k,
@@ -125,16 +127,18 @@ Tiling = SmallMConfig
 def tiling_label(t: SmallMConfig) -> str:
     stages = f" st{t.num_stages}" if t.num_stages != 1 else ""
     unfactored = " unfactored" if not t.factor_scales else ""
+    rows = f" m{t.block_m}" if t.use_dot and t.block_m != 16 else ""
     path = "dot" if t.use_dot else "fma"
-    return f"{path} n{t.block_n} k{t.block_k} s{t.split_k} w{t.num_warps}{stages}{unfactored}"
+    return f"{path} n{t.block_n} k{t.block_k} s{t.split_k} w{t.num_warps}{stages}{unfactored}{rows}"
 
 
 def make_tiling(k: int, use_dot: bool, block_n: int, block_k: int, split_k: int = 1, num_warps: int = 4,
-                num_stages: int = 1, factor_scales: Optional[bool] = None) -> SmallMConfig:  # fmt: skip
+                num_stages: int = 1, factor_scales: Optional[bool] = None,
+                block_m: int = 16) -> SmallMConfig:  # fmt: skip
     """A tiling with its effective ``split_k``; ``factor_scales=None`` keeps ``SmallMConfig``'s default."""
     split = effective_split_k(k, block_k, split_k)
     extra = {} if factor_scales is None else {"factor_scales": factor_scales}
-    return SmallMConfig(bool(use_dot), block_n, block_k, split, num_warps, num_stages, **extra)
+    return SmallMConfig(bool(use_dot), block_n, block_k, split, num_warps, num_stages, **extra, block_m=block_m)
 
 
 def elems_per_thread(use_dot: bool) -> tuple[int, int]:
@@ -189,16 +193,19 @@ def candidate_grid(m: int, n: int, k: int, sms: int, unfactored: bool = False) -
 def finalists(ranked: list[Tiling], m: int, ref_m: int, k: int, top: int = TOP) -> list[Tiling]:
     """Pass-2 candidates for ``m`` rows from the tensor-core tilings of ``ref_m`` rows, fastest first: the ``top``
     best, and for the best two, split_k rescaled so that the program count stays as it was at ``ref_m`` (every
-    16 rows add a row of programs)."""
+    16 rows add a row of programs). Past 16 rows, the ``top`` best also with programs of more rows (``block_m`` 32
+    or 64, the fewest that hold ``m``), which decode each weight tile once for all of them."""
     best = [t for t in ranked if t.use_dot][:top]
     out = list(best)
     ratio = cdiv(m, 16) / cdiv(ref_m, 16)
     if ratio != 1:
         for t in best[:2]:
             split = max(1, round(t.split_k / ratio))
-            out.append(
-                make_tiling(k, t.use_dot, t.block_n, t.block_k, split, t.num_warps, t.num_stages, t.factor_scales)
-            )
+            out.append(make_tiling(k, t.use_dot, t.block_n, t.block_k, split, t.num_warps, t.num_stages,
+                                   t.factor_scales, t.block_m))  # fmt: skip
+    if m > 16:
+        block_m = next((b for b in BLOCK_MS if b >= m), BLOCK_MS[-1])
+        out.extend(dataclasses.replace(t, block_m=block_m) for t in best)
     return list(dict.fromkeys(out))
 
 

@@ -1,6 +1,7 @@
 """CPU checks of benchmarks/tune_small_m.py without a GPU or a kernel run: arguments, the candidate grid, the crossover
 rule, the JSON table (format, merge) and the outputs written from result rows."""
 
+import dataclasses
 import json
 import math
 import sys
@@ -134,7 +135,12 @@ def test_finalists_rescale_split_k_for_more_row_tiles():
     at_64 = T.finalists(ranked, 64, 16, k, top=4)
     assert at_64[:4] == dot[:4] and all(t.use_dot for t in at_64)
     assert T.make_tiling(k, True, 32, 128, 2, 4) in at_64 and T.make_tiling(k, True, 64, 128, 1, 4) in at_64
-    assert len(at_64) == len(set(at_64)) == 6
+    # past 16 rows also programs of the fewest rows that hold them (32 or 64): one decode of W for every row
+    assert at_64[6:] == [dataclasses.replace(t, block_m=64) for t in dot[:4]]
+    assert len(at_64) == len(set(at_64)) == 10
+    at_24 = T.finalists(ranked, 24, 16, k, top=2)
+    assert [t.block_m for t in at_24] == [16, 16, 16, 16, 32, 32] and T.tiling_label(at_24[-1]).endswith(" m32")
+    assert all(t.block_m == 16 for t in T.finalists(ranked, 16, 16, k))
 
 
 # ---- crossover -----------------------------------------------------------------------------------------------------

@@ -180,6 +180,10 @@ TILINGS = [
     ("nf4-128-nested", 1, SmallMConfig(use_dot=False, block_n=16, block_k=64, split_k=3)),
     ("nf4-64-nested", 1, SmallMConfig(use_dot=False, block_n=8, block_k=128, split_k=1, factor_scales=False)),
     ("fp4-64", 1, SmallMConfig(use_dot=False, block_n=16, block_k=32)),
+    # tensor-core programs of 32 / 64 rows: 20 rows in one (part-empty) tile, 40 rows in two, 33 in one
+    ("nf4-64-nested", 20, SmallMConfig(use_dot=True, block_n=16, block_k=64, split_k=2, block_m=32)),
+    ("int8", 40, SmallMConfig(use_dot=True, block_n=16, block_k=64, block_m=32)),
+    ("fp4-64", 33, SmallMConfig(use_dot=True, block_n=32, block_k=64, split_k=2, block_m=64)),
 ]
 
 
@@ -194,12 +198,24 @@ def test_tilings_and_split_k(kind, m, config, dtype, atol, rtol):
     assert torch.equal(y, again), "split-K reduction is not deterministic"
 
 
+def test_block_m_sets_rows_per_program():
+    """A tensor-core program covers ``block_m`` rows (the weight is decoded once per program and M tile)."""
+    from peft_fastlora.ops.kernels.small_m import small_m_grid
+
+    for block_m, m, tiles in ((16, 40, 3), (32, 40, 2), (64, 40, 1), (32, 32, 1)):
+        plan = small_m_grid(m, 4096, 4096, SmallMConfig(True, 64, 128, 2, block_m=block_m), 16)
+        assert (plan.grid[2], plan.block_m) == (tiles, block_m)
+        assert plan.n_xa_parts == tiles * XA_MAX_CHUNKS * 16 * block_m
+    assert small_m_grid(1, 4096, 4096, SmallMConfig(False, 8, 512, block_m=64), 16).block_m == 1
+
+
 XA_CASES = [
     # (kind, rows, tiling): K = 640 gives 5 xa chunks of 128 (K % 128 != 0 would end in a short chunk: see 700)
     ("nf4-64-nested", 1, SmallMConfig(use_dot=False, block_n=16, block_k=128, split_k=1)),
     ("nf4-64-nested", 1, SmallMConfig(use_dot=False, block_n=8, block_k=64, split_k=3)),
     ("int8", 3, SmallMConfig(use_dot=True, block_n=16, block_k=64, split_k=2)),
     ("fp4-64", 20, SmallMConfig(use_dot=True, block_n=32, block_k=128, split_k=1)),
+    ("nf4-64-nested", 24, SmallMConfig(use_dot=True, block_n=16, block_k=64, split_k=2, block_m=32)),
 ]
 
 

@@ -105,7 +105,8 @@ def test_cpu_device_has_no_table():
 
 @pytest.mark.parametrize(
     "field, value", [("block_n", 24), ("block_k", 8), ("num_warps", 0), ("split_k", 0), ("num_stages", "2"),
-                     ("use_dot", 1), ("factor_scales", None)]
+                     ("use_dot", 1), ("factor_scales", None), ("block_m", 8), ("block_m", 48), ("block_m", 32.0),
+                     ("block_m", True)]
 )  # fmt: skip
 def test_bad_config_raises_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"`{field}`"):
@@ -113,8 +114,12 @@ def test_bad_config_raises_naming_the_field(field, value):
 
 
 def test_config_json_round_trip_and_effective_split():
-    for config in (SmallMConfig(**CFG16), SmallMConfig(**CFG1, factor_scales=False)):
+    for config in (SmallMConfig(**CFG16), SmallMConfig(**CFG1, factor_scales=False), SmallMConfig(**CFG16, block_m=64)):
         assert SmallMConfig.from_json(json.loads(json.dumps(config.to_json()))) == config
     assert "factor_scales" not in SmallMConfig(**CFG16).to_json()
+    assert "block_m" not in SmallMConfig(**CFG16).to_json()  # the shipped tables' entries read unchanged
+    assert SmallMConfig(**CFG16, block_m=32).to_json() == {**CFG16, "block_m": 32}
+    assert SmallMConfig(**CFG16, block_m=32).rows_per_program == 32
+    assert SmallMConfig(**CFG1, block_m=32).rows_per_program == 1  # the CUDA-core path runs one row
     assert tuning.effective_split_k(14336, 1024, 8) == 7  # 14 K-tiles: 2 per split -> 7 splits
     assert tuning.effective_split_k(4096, 512, 16) == 8  # no more splits than K-tiles

@@ -139,7 +139,7 @@ class SmallMGrid:
 def small_m_grid(m: int, n: int, k: int, config: SmallMConfig, r: Optional[int]) -> SmallMGrid:
     """``r``: the LoRA rank, or None for no LoRA term."""
     has_lora = r is not None
-    block_m = 16 if config.use_dot else 1
+    block_m = config.rows_per_program
     block_n, block_k = config.block_n, config.block_k
     k_per_split = cdiv(cdiv(k, block_k), config.split_k) * block_k
     split_k = cdiv(k, k_per_split)  # no empty splits

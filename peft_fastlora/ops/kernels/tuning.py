@@ -13,9 +13,9 @@ Format (``format: 1``)::
             "block_n": 8, "block_k": 1024, "split_k": 1, "num_warps": 4, "num_stages": 1}, ...}}}}}}}
 
 ``nf4`` covers every 4-bit weight (FP4 decodes through the same code table). Each config holds the fields of
-[`SmallMConfig`] (``factor_scales`` only when it is not the default). A lookup for M rows takes the entry of the
-smallest tabled M >= M (the largest tabled M beyond it). Shapes or GPUs not in the table get ``None`` and the
-launcher falls back to its heuristic.
+[`SmallMConfig`] (``factor_scales`` and ``block_m`` only where they are not the default). A lookup for M rows takes
+the entry of the smallest tabled M >= M (the largest tabled M beyond it). Shapes or GPUs not in the table get
+``None`` and the launcher falls back to its heuristic.
 
 Caching: the merged table is read once per value of ``PEFT_FASTLORA_SMALL_M_CONFIGS`` (``_merged_devices``) and GPU
 names once per device index; both are keyed by everything they read, so nothing needs invalidating while the
@@ -39,11 +39,13 @@ CONFIGS_ENV = "PEFT_FASTLORA_SMALL_M_CONFIGS"
 SHIPPED = Path(__file__).resolve().parents[1] / "configs" / "small_m.json"
 FORMAT = 1
 KINDS = ("nf4", "int8")
+BLOCK_MS = (16, 32, 64)  # rows per tensor-core program (SmallMConfig.block_m)
 
 
 @dataclass(frozen=True)
 class SmallMConfig:
-    """Tiling of one small-M launch. ``use_dot``: tensor-core path (``BLOCK_M = 16``) instead of FMAs (``BLOCK_M = 1``).
+    """Tiling of one small-M launch. ``use_dot``: tensor-core path (``block_m`` rows per program) instead of FMAs (one
+    row).
 
     ``split_k`` is what the launcher is asked for; it drops empty splits (see [`effective_split_k`]).
     """
@@ -60,6 +62,9 @@ class SmallMConfig:
     # once (instead of scaling and rounding every weight). About half the instructions per weight; W is then not
     # rounded to x.dtype before the multiply (more accurate than the reference, within the same tolerances).
     factor_scales: bool = True
+    # Tensor-core path: rows per program (the MMA's second side). Each program decodes its weight tile once for its
+    # rows, so rows beyond block_m decode the weight again: 32 or 64 keep 17-64 rows to one decode of W.
+    block_m: int = 16
 
     def __post_init__(self) -> None:
         # Configs may come from a user's JSON file: reject what the kernel cannot tile, naming the field.
@@ -74,12 +79,21 @@ class SmallMConfig:
         for name in ("use_dot", "factor_scales"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SmallMConfig `{name}` must be true or false, got {getattr(self, name)!r}.")
+        if self.block_m not in BLOCK_MS or type(self.block_m) is not int:
+            raise ValueError(f"SmallMConfig `block_m` must be one of {BLOCK_MS}, got {self.block_m!r}.")
+
+    @property
+    def rows_per_program(self) -> int:
+        """``BLOCK_M`` of the launch: ``block_m`` on tensor cores, one row on the CUDA-core path."""
+        return self.block_m if self.use_dot else 1
 
     def to_json(self) -> dict[str, Any]:
-        """The table entry: every field, ``factor_scales`` only when it differs from its default."""
+        """The table entry: every field, ``factor_scales`` and ``block_m`` only where they differ from their defaults
+        (tables written before ``block_m`` existed read the same)."""
         entry = asdict(self)
-        if self.factor_scales == _DEFAULT_FACTOR_SCALES:
-            del entry["factor_scales"]
+        for name, default in _OMITTED_DEFAULTS.items():
+            if entry[name] == default:
+                del entry[name]
         return entry
 
     @classmethod
@@ -91,7 +105,7 @@ class SmallMConfig:
 
 
 CONFIG_FIELDS = tuple(f.name for f in fields(SmallMConfig))
-_DEFAULT_FACTOR_SCALES = SmallMConfig.__dataclass_fields__["factor_scales"].default
+_OMITTED_DEFAULTS = {name: SmallMConfig.__dataclass_fields__[name].default for name in ("factor_scales", "block_m")}
 
 
 def _cdiv(a: int, b: int) -> int:
