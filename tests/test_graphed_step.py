@@ -305,9 +305,11 @@ def _gpu_pair(path, fast_path: dict, ckpt: bool, **config):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "fast_path, ckpt",
-    [(None, False), ({}, False), ({"offload_activations": True}, True), ({}, True)],
-    ids=["fastlora", "fast-path", "fast-path-ckpt-offload", "fast-path-ckpt"],
-)
+    [(None, False), ({}, False), ({"offload_activations": True}, True), ({}, True), ({"compile_blocks": True}, False),
+     ({"compile_blocks": True}, True)],
+    ids=["fastlora", "fast-path", "fast-path-ckpt-offload", "fast-path-ckpt", "compiled-blocks",
+         "compiled-blocks-ckpt"],
+)  # fmt: skip
 def test_recorded_step_trains_like_the_eager_step(tiny_llama_path, fast_path, ckpt):
     batches = _batches(6, device="cuda")
     eager_model, graphed_model = _gpu_pair(tiny_llama_path, fast_path, ckpt)
