@@ -69,24 +69,26 @@ SPLITS = (1, 2, 4, 8, 16)
 
 
 @triton.jit
+def _program_rows(N, words_per_split, n_words, BLOCK_N: tl.constexpr):
+    """This program's output features (offsets, mask, int64 rows) and its K range in words, ``[w_start, w_end)``."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_start = tl.program_id(1) * words_per_split
+    return offs_n, offs_n < N, offs_n.to(tl.int64), w_start, tl.minimum(w_start + words_per_split, n_words)
+
+
+@triton.jit
 def _probe_4bit(
     x_ptr, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr, out_ptr,
     N, words_per_row, blocks_per_row, words_per_split, n_words,
     MODE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr, ATOMIC: tl.constexpr, MUL_RN: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    rows = offs_n.to(tl.int64)
+    offs_n, mask_n, rows, w_start, w_end = _program_rows(N, words_per_split, n_words, BLOCK_N)
     NB: tl.constexpr = BLOCK_K // 64  # absmax blocks (of 8 words) per tile
     j = tl.arange(0, 8)
     shifts = (j // 2) * 8 + (1 - j % 2) * 4  # element j of a little-endian word: even elements in high nibbles
     word_in_tile = tl.arange(0, NB)[:, None] * 8 + tl.arange(0, 8)[None, :]  # (NB, 8)
     x_in_tile = word_in_tile[:, :, None] * 8 + j[None, None, :]  # (NB, 8, 8)
-    w_start = pid_k * words_per_split
-    w_end = tl.minimum(w_start + words_per_split, n_words)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, NB, 8), dtype=tl.float32)
@@ -146,19 +148,13 @@ def _probe_4bit_tc(
     MODE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr, ATOMIC: tl.constexpr, MUL_RN: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    rows = offs_n.to(tl.int64)
+    offs_n, mask_n, rows, w_start, w_end = _program_rows(N, words_per_split, n_words, BLOCK_N)
     NB: tl.constexpr = BLOCK_K // 64
     j = tl.arange(0, 8)
     shifts = (j // 2) * 8 + (1 - j % 2) * 4
     word_in_tile = tl.arange(0, NB)[:, None] * 8 + tl.arange(0, 8)[None, :]  # (NB, 8)
     cols = tl.arange(0, 16)
     offs_k = tl.arange(0, BLOCK_K)
-    w_start = pid_k * words_per_split
-    w_end = tl.minimum(w_start + words_per_split, n_words)
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     lane = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [tl.zeros((1,), tl.int32)], dtype=tl.int32,
                                      is_pure=True, pack=1)  # fmt: skip
@@ -238,17 +234,11 @@ def _probe_4bit_tcprmt(
     MODE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr, ATOMIC: tl.constexpr, MUL_RN: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE_ASM: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    rows = offs_n.to(tl.int64)
+    offs_n, mask_n, rows, w_start, w_end = _program_rows(N, words_per_split, n_words, BLOCK_N)
     NB: tl.constexpr = BLOCK_K // 64
     cols = tl.arange(0, 16)
     wi = tl.arange(0, 8)
     kk = tl.arange(0, 64)
-    w_start = pid_k * words_per_split
-    w_end = tl.minimum(w_start + words_per_split, n_words)
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     for w0 in range(w_start, w_end, BLOCK_K // 8):
         for b in tl.static_range(NB):
@@ -283,18 +273,12 @@ def _probe_4bit_tcprmtb(
     64-wide block so that a thread's operand registers hold whole words: the MMA's operand layout gives a thread
     k = 2t, 2t+1, 2t+8, 2t+9 of each 16-wide step for one column; logical k = 32 s1 + 16 s0 + 8 h + 2 t + e is read
     from physical k = 8 (2 t + s1) + 4 s0 + 2 h + e, the same permutation for x and W (a sum over k does not care)."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    rows = offs_n.to(tl.int64)
+    offs_n, mask_n, rows, w_start, w_end = _program_rows(N, words_per_split, n_words, BLOCK_N)
     NB: tl.constexpr = BLOCK_K // 64
     wi = tl.arange(0, 8)
     kl = tl.arange(0, 64)
     k_phys = 16 * ((kl >> 1) & 3) + 8 * (kl >> 5) + 4 * ((kl >> 4) & 1) + 2 * ((kl >> 3) & 1) + (kl & 1)
     xrows = tl.arange(0, 16)
-    w_start = pid_k * words_per_split
-    w_end = tl.minimum(w_start + words_per_split, n_words)
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     for w0 in range(w_start, w_end, BLOCK_K // 8):
         for b in tl.static_range(NB):
@@ -327,15 +311,9 @@ def _probe_int8(
     x_ptr, w_ptr, scb_ptr, out_ptr, N, words_per_row, words_per_split, n_words,
     ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    rows = offs_n.to(tl.int64)
+    offs_n, mask_n, rows, w_start, w_end = _program_rows(N, words_per_split, n_words, BLOCK_N)
     j = tl.arange(0, 4)
     word_in_tile = tl.arange(0, BLOCK_K // 4)
-    w_start = pid_k * words_per_split
-    w_end = tl.minimum(w_start + words_per_split, n_words)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for w0 in range(w_start, w_end, BLOCK_K // 4):
         words = tl.load(w_ptr + rows[:, None] * words_per_row + (w0 + word_in_tile)[None, :], mask=mask_n[:, None],
