@@ -30,6 +30,8 @@ use because they are not deterministic):
              layout Triton gives it (the MMA operand's) spreads them over 4 lanes
   tcprmtb    tcprmt with W as the MMA's second operand and K permuted per 64-wide block so that a thread's operand
              registers hold whole words (see the kernel's docstring). Also wrong on Triton 3.6 (docs/kernels.md)
+  tcprmtc    tcprmtb with the decode as one word in, four bf16 pairs out (no pack), the pairs split in-thread by
+             truncation and tl.join; Triton 3.6 moves the decoded tile to the MMA through shared memory (not timed)
   int8       int8 weights as 32-bit words, sign-extended bytes, FMAs, row scale
 
 The ``lut`` kernel is checked against the reference before it is timed. Results: ``probe_small_m.csv`` in --out.
@@ -286,9 +288,16 @@ def _probe_4bit_tcprmtb(
                             other=0)  # fmt: skip
             # Element j of a word's 8 carries word ^ j: distinct values (Triton folds a plain broadcast to one
             # register per word, and the 8-element pack then loses its layout); the decode reads only j = 0's.
-            wide = words[:, :, None] ^ wi[None, None, :]
-            w = tl.inline_asm_elementwise(DECODE_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [wide], dtype=tl.bfloat16,
-                                          is_pure=True, pack=8)  # fmt: skip  (BLOCK_N, word, j)
+            if MODE == 12:  # one word in, its four bf16 pairs out; pairs split in-thread by truncation and join
+                p0, p1, p2, p3 = tl.inline_asm_elementwise(DECODE_ASM, "=r,=r,=r,=r,r", [words],
+                                                           dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                                           is_pure=True, pack=1)  # fmt: skip
+                pairs = tl.join(tl.join(p0, p1), tl.join(p2, p3))  # (BLOCK_N, 8, 2, 2): pair 2 i + j
+                w = tl.join((pairs & 0xFFFF).to(tl.int16), (pairs >> 16).to(tl.int16)).to(tl.bfloat16, bitcast=True)
+            else:
+                wide = words[:, :, None] ^ wi[None, None, :]
+                w = tl.inline_asm_elementwise(DECODE_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [wide], dtype=tl.bfloat16,
+                                              is_pure=True, pack=8)  # fmt: skip  (BLOCK_N, word, j)
             w = tl.reshape(w, (BLOCK_N, 4, 2, 2, 2, 2))  # (n, t, s1, s0, h, e)
             w = tl.permute(w, (2, 3, 4, 1, 5, 0))  # (s1, s0, h, t, e, n)
             w = tl.reshape(w, (64, BLOCK_N))
@@ -336,7 +345,7 @@ def launch_4bit(x, weight, out, mode, split, tile):
     grid = (C.cdiv(n, block_n), C.cdiv(n_words, words_per_split))
     words = weight.data.reshape(-1).view(torch.uint8).view(torch.int32)
     extra = {}
-    if mode in (MODES["tcprmt"], MODES["tcprmtb"]):
+    if mode in (MODES["tcprmt"], MODES["tcprmtb"], MODES["tcprmtc"]):
         kernel = _probe_4bit_tcprmt if mode == MODES["tcprmt"] else _probe_4bit_tcprmtb
         key = weight.code.data_ptr()  # computed outside CUDA-graph capture: the warm-up call comes first
         if key not in _DECODE_ASM:
