@@ -204,6 +204,7 @@ def _probe_4bit_tc(
     else:
         tl.store(out_ptr + offs_n, result, mask=mask_n)
 
+
 _DECODE_ASM: dict = {}
 
 
@@ -230,6 +231,21 @@ def prmt_decode_asm(code: torch.Tensor) -> str:
 
 
 @triton.jit
+def _block_words_and_scale(
+    w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, rows, mask_n, words_per_row, blocks_per_row,
+    word0, NESTED_BLOCKSIZE: tl.constexpr, MUL_RN: tl.constexpr,
+):  # fmt: skip
+    """The (BLOCK_N, 8) words of the absmax block starting at word ``word0`` of each row, and its (BLOCK_N,) scales."""
+    words = tl.load(w_ptr + rows[:, None] * words_per_row + (word0 + tl.arange(0, 8))[None, :], mask=mask_n[:, None],
+                    other=0)  # fmt: skip
+    blk = rows * blocks_per_row + word0 // 8
+    raw = tl.load(absmax_ptr + blk, mask=mask_n, other=0)
+    scale = decode_absmax(raw, blk, mask_n, nested_code_ptr, nested_absmax_ptr, offset_ptr, True, NESTED_BLOCKSIZE,
+                          MUL_RN)  # fmt: skip
+    return words, scale
+
+
+@triton.jit
 def _probe_4bit_tcprmt(
     x_ptr, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr, out_ptr,
     N, words_per_row, blocks_per_row, words_per_split, n_words,
@@ -244,18 +260,15 @@ def _probe_4bit_tcprmt(
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     for w0 in range(w_start, w_end, BLOCK_K // 8):
         for b in tl.static_range(NB):
-            words = tl.load(w_ptr + rows[:, None] * words_per_row + (w0 + b * 8 + wi)[None, :], mask=mask_n[:, None],
-                            other=0)  # fmt: skip
+            words, scale = _block_words_and_scale(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+                                                  rows, mask_n, words_per_row, blocks_per_row, w0 + b * 8,
+                                                  NESTED_BLOCKSIZE, MUL_RN)  # fmt: skip
             wide = words[:, :, None] ^ wi[None, None, :]  # distinct per element (see tcprmtb); j = 0 is the word
             w = tl.inline_asm_elementwise(DECODE_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [wide], dtype=tl.bfloat16,
                                           is_pure=True, pack=8)  # fmt: skip
             w = tl.reshape(w, (BLOCK_N, 64))
             xt = tl.load(x_ptr + (w0 + b * 8) * 8 + kk[:, None] + 0 * cols[None, :], mask=(cols == 0)[None, :],
                          other=0.0)  # fmt: skip
-            blk = rows * blocks_per_row + (w0 // 8 + b)
-            raw = tl.load(absmax_ptr + blk, mask=mask_n, other=0)
-            scale = decode_absmax(raw, blk, mask_n, nested_code_ptr, nested_absmax_ptr, offset_ptr, True,
-                                  NESTED_BLOCKSIZE, MUL_RN)  # fmt: skip
             acc += tl.dot(w, xt) * scale[:, None]
     result = tl.sum(acc, axis=1)
     if ATOMIC:
@@ -284,10 +297,9 @@ def _probe_4bit_tcprmtb(
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     for w0 in range(w_start, w_end, BLOCK_K // 8):
         for b in tl.static_range(NB):
-            words = tl.load(w_ptr + rows[:, None] * words_per_row + (w0 + b * 8 + wi)[None, :], mask=mask_n[:, None],
-                            other=0)  # fmt: skip
-            # Element j of a word's 8 carries word ^ j: distinct values (Triton folds a plain broadcast to one
-            # register per word, and the 8-element pack then loses its layout); the decode reads only j = 0's.
+            words, scale = _block_words_and_scale(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+                                                  rows, mask_n, words_per_row, blocks_per_row, w0 + b * 8,
+                                                  NESTED_BLOCKSIZE, MUL_RN)  # fmt: skip
             if MODE == 12:  # one word in, its four bf16 pairs out; pairs split in-thread by truncation and join
                 p0, p1, p2, p3 = tl.inline_asm_elementwise(DECODE_ASM, "=r,=r,=r,=r,r", [words],
                                                            dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
@@ -295,6 +307,8 @@ def _probe_4bit_tcprmtb(
                 pairs = tl.join(tl.join(p0, p1), tl.join(p2, p3))  # (BLOCK_N, 8, 2, 2): pair 2 i + j
                 w = tl.join((pairs & 0xFFFF).to(tl.int16), (pairs >> 16).to(tl.int16)).to(tl.bfloat16, bitcast=True)
             else:
+                # Element j of a word's 8 carries word ^ j: distinct values (Triton folds a plain broadcast to one
+                # register per word, and the 8-element pack then loses its layout); the decode reads only j = 0's.
                 wide = words[:, :, None] ^ wi[None, None, :]
                 w = tl.inline_asm_elementwise(DECODE_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [wide], dtype=tl.bfloat16,
                                               is_pure=True, pack=8)  # fmt: skip  (BLOCK_N, word, j)
@@ -303,10 +317,6 @@ def _probe_4bit_tcprmtb(
             w = tl.reshape(w, (64, BLOCK_N))
             x_row = tl.load(x_ptr + (w0 + b * 8) * 8 + k_phys)  # (64,) in logical order
             xt = tl.where((xrows == 0)[:, None], x_row[None, :], 0.0).to(x_row.dtype)  # (16, 64): row 0 is x
-            blk = rows * blocks_per_row + (w0 // 8 + b)
-            raw = tl.load(absmax_ptr + blk, mask=mask_n, other=0)
-            scale = decode_absmax(raw, blk, mask_n, nested_code_ptr, nested_absmax_ptr, offset_ptr, True,
-                                  NESTED_BLOCKSIZE, MUL_RN)  # fmt: skip
             acc += tl.dot(xt, w) * scale[None, :]
     result = tl.sum(acc, axis=0)
     if ATOMIC:
