@@ -7,7 +7,6 @@ say how to read the quantized weight and how to store a merged one.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable
 from typing import Any, Optional
@@ -58,8 +57,7 @@ FP32_ACTIVATIONS_WARNING = (
 # identity of the weight (storage pointer, device, quant_state / scales identity), so a merge, a device move, an FSDP
 # all-gather or a new quant_state builds a new container. `_apply` (`.to()`, `.half()`, ...) and
 # `invalidate_weight_cache` drop it. The kernels keep their validated launch arguments on the container, which is
-# what makes reusing it worth a cache. The only other memo in the tuner, `_fsdp_wrapper_types`, holds two classes of
-# the installed torch and never changes.
+# what makes reusing it worth a cache.
 WEIGHT_CACHE = "_fastlora_weight_cache"
 # The decode lanes: per (input shape, dtype, device), the small-M call prepared by `ops.prepare_small_m_call` for the
 # adapter it was built for, with the layer state it was built in (`FastLoraLayer._lane_state`: everything `forward`
@@ -70,13 +68,17 @@ DECODE_LANES = "_fastlora_decode_lanes"
 MAX_LANES = 8
 
 
-@functools.cache
-def _fsdp_wrapper_types() -> tuple:
+def _import_fsdp_wrapper_types() -> tuple:
     if not torch.distributed.is_available():
         return ()
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     return (FullyShardedDataParallel, FSDPModule)
+
+
+# A constant, not a cached function: torch.compile traces every layer call through `adapters_are_fsdp_units`, and
+# dynamo warns about (and ignores) a functools cache it meets. PEFT has imported torch.distributed.fsdp already.
+FSDP_WRAPPER_TYPES = _import_fsdp_wrapper_types()
 
 
 def param(module: nn.Module, name: str) -> Optional[torch.Tensor]:
@@ -189,7 +191,7 @@ class FastLoraLayer(nn.Module, LoraLayer):
         Such a unit gathers its weight only inside its own forward, so the layer must then call the adapter modules
         instead of handing their weights to the fused op (which would see the flat shard).
         """
-        wrappers = _fsdp_wrapper_types()
+        wrappers = FSDP_WRAPPER_TYPES
         if not wrappers:
             return False
         lora_a, lora_b = self._modules["lora_A"]._modules, self._modules["lora_B"]._modules  # every forward: no getattr

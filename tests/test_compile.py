@@ -7,6 +7,8 @@ as eager, so compiled results must be bit-identical. The ``gpu`` tests compile w
 ``mode="reduce-overhead"`` (CUDA graphs).
 """
 
+import warnings
+
 import pytest
 import torch
 from peft import get_peft_model
@@ -80,6 +82,23 @@ def test_fullgraph_through_a_fastlora_layer_takes_the_custom_ops(fresh_dynamo, t
         x1 = x[:1, :1].detach()
         assert torch.equal(compiled(x1), layer(x1))
     assert "peft_fastlora.lora_linear_small_m" in graphs[-1]
+
+
+@pytest.mark.usefixtures("force_triton")
+def test_tracing_meets_no_functools_cache(fresh_dynamo, tiny_llama_path, monkeypatch):
+    """Dynamo ignores a functools cache it traces through and warns once per process: the code a compiled layer call
+    runs (dispatch decisions, FSDP check, kernel loading) keeps its constants elsewhere."""
+    layer = fastlora_model(tiny_llama_path).base_model.model.model.layers[0].mlp.down_proj
+    # dynamo prints each warning once per process: forget the ones earlier tests printed
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for rows in (1, 6):  # the small-M op and the general one
+            x = torch.randn(rows, layer.in_features, dtype=torch.bfloat16)
+            assert torch.equal(compiled(x), layer(x))
+    cache_warnings = [str(w.message) for w in caught if "lru_cache" in str(w.message)]
+    assert not cache_warnings, cache_warnings
 
 
 @pytest.mark.usefixtures("force_triton")

@@ -15,15 +15,20 @@ absent (CPU-only installs use the pure-torch reference).
 
 from __future__ import annotations
 
-import functools
 import sys
 from types import ModuleType
 
+# Set by the first [`load`]. A flag rather than a functools cache: torch.compile traces the dispatcher's calls of
+# `load`, and dynamo warns about (and ignores) every functools cache it meets; a module global it reads and guards.
+_loaded = False
 
-@functools.cache
+
 def load() -> ModuleType:
     """Imports the kernels on first use and returns this package, with ``dequant``, ``small_m``, ``swiglu`` and
     ``cross_entropy`` loaded."""
-    from . import cross_entropy, dequant, small_m, swiglu  # noqa: F401
+    global _loaded
+    if not _loaded:
+        from . import cross_entropy, dequant, small_m, swiglu  # noqa: F401
 
+        _loaded = True
     return sys.modules[__name__]
