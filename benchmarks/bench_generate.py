@@ -1,4 +1,5 @@
-"""Greedy generation with the adapter active on a Llama-3-8B-shaped model (8 decoder layers), in four modes:
+"""Greedy generation with the adapter active on a Llama-3-8B-shaped model (8 decoder layers; ``--arch`` picks another
+of ``bench_train_step``'s models), in four modes:
 ``eager`` (``model.generate``), ``compiled`` (``generate`` with the decode step compiled by
 ``peft_fastlora.compile_for_generation``: static KV cache, ``torch.compile(mode="reduce-overhead")``), ``graphed``
 (``peft_fastlora.graphed_generate``: the prompt and ``--steps-per-graph`` decode steps recorded as CUDA graphs and
@@ -114,6 +115,9 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="tiny model (smoke run; still needs CUDA)")
+    p.add_argument("--arch", default="llama", choices=list(B.ARCH_SHAPES),
+                   help="bench_train_step's models: 8 layers of Llama-3-8B (default), Qwen2-7B, Mistral-7B, or the "
+                   "whole Llama-3.2-1B (llama-1b)")  # fmt: skip
     p.add_argument("--profile", action="store_true",
                    help="also profile one generate per row: where the GPU idles and the top kernels")  # fmt: skip
     args = p.parse_args(argv)
@@ -127,7 +131,7 @@ def main(argv=None) -> int:
     env = C.env_info(device)
     env["run"] = "bench_generate " + " ".join(sys.argv[1:] if argv is None else argv)
     log = C.CsvLog(args.out / "generate.csv", COLUMNS, env)
-    config = B.model_config(args.tiny)
+    config = B.model_config(args.tiny, args.arch)
     rows = []
     with B.saved_random_model(config, device, "fastlora-gen-model-") as model_dir:
         for provider in C.parse_csv_arg(args.providers):

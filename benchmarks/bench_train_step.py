@@ -32,8 +32,9 @@ resident and timed in interleaved rounds (round i starts at provider i mod P), a
 taken round by round (``ratio_to_bf16_round_*``): a same-round ratio cancels the host's drift. With ``--budget-s``,
 training and profiling stop ``--gen-reserve-s`` early so that the generation phase keeps its share of the budget.
 
-``--arch qwen2`` / ``--arch mistral`` runs the same 8-layer cut of Qwen2-7B or Mistral-7B instead (not Unsloth, whose
-script builds the Llama model).
+``--arch qwen2`` / ``--arch mistral`` runs the same 8-layer cut of Qwen2-7B or Mistral-7B instead, ``--arch llama-1b``
+the whole of Llama-3.2-1B's shape (16 layers, tied embeddings: the small models RL fine-tuning generates with) (not
+Unsloth, whose script builds the Llama-3-8B model).
 
 GPU:   python benchmarks/bench_train_step.py --out benchmarks/results
 CI:    python benchmarks/bench_train_step.py --device cpu --tiny --out /tmp/x
@@ -83,8 +84,13 @@ ARCH_SHAPES = {
                   num_hidden_layers=8, vocab_size=152064, max_position_embeddings=8192, rms_norm_eps=1e-6,
                   rope_theta=1e6, tie_word_embeddings=False),
     "mistral": dict(LLAMA3_8B_8_LAYERS, vocab_size=32768, rope_theta=1e6, sliding_window=None),
+    # all 16 layers: none of its linear shapes is in the small-M tuning table (the heuristic's tilings run)
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=64, num_hidden_layers=16, vocab_size=128256, max_position_embeddings=8192,
+                     rms_norm_eps=1e-5, rope_theta=5e5, tie_word_embeddings=True),
 }
-ARCH_NAMES = {"llama": "Llama-3-8B", "qwen2": "Qwen2-7B", "mistral": "Mistral-7B"}
+ARCH_NAMES = {"llama": "Llama-3-8B", "qwen2": "Qwen2-7B", "mistral": "Mistral-7B", "llama-1b": "Llama-3.2-1B"}
+MODEL_TYPES = {"llama-1b": "llama"}  # transformers' model_type where it is not the --arch name
 RANK = 16
 
 # provider -> (quantization, tuner), in run order: the ceiling first, then each quantization's PEFT and FastLoRA.
@@ -179,6 +185,7 @@ def model_shape(arch: str = "llama", tiny: bool = False, layers: Optional[int] =
         shape.update({k: TINY[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
                                            "num_key_value_heads", "num_hidden_layers", "vocab_size",
                                            "max_position_embeddings")})  # fmt: skip
+        shape.pop("head_dim", None)  # hidden_size / heads, as in TINY
     if layers:
         shape["num_hidden_layers"] = layers
     return shape
@@ -188,7 +195,7 @@ def model_config(tiny: bool = False, arch: str = "llama", layers: Optional[int] 
     """The benchmark's config of ``arch`` (``TINY`` for smoke runs), bf16."""
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model(arch, **model_shape(arch, tiny, layers))
+    config = AutoConfig.for_model(MODEL_TYPES.get(arch, arch), **model_shape(arch, tiny, layers))
     config.dtype = torch.bfloat16
     return config
 
@@ -672,7 +679,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; tiny 32)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 8)")
     p.add_argument("--arch", default="llama", choices=list(ARCH_SHAPES),
-                   help="model architecture: 8 layers of Llama-3-8B (default), Qwen2-7B or Mistral-7B")
+                   help="model architecture: 8 layers of Llama-3-8B (default), Qwen2-7B or Mistral-7B, or the whole "
+                   "Llama-3.2-1B (llama-1b)")
     p.add_argument("--warmup-steps", type=int, default=None, help="default 3 (quick 2, tiny 1)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 5; quick 3, tiny 2)")
     p.add_argument("--gen-tokens", type=int, default=None, help="new tokens for generation (default 128; tiny 8)")

@@ -276,6 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", type=Path, help="also merge the result into this JSON table (other entries kept)")
     p.add_argument("--from-json", type=Path, help="no measuring: merge this JSON table into --merge FILE")
     p.add_argument("--plan", action="store_true", help="print the candidate grid sizes and exit (no GPU)")
+    p.add_argument(
+        "--check-defaults",
+        action="store_true",
+        help="no search: time the heuristic's tiling (what an untabled shape runs) and the shipped table's against "
+        "the large-M path and PEFT+bnb at every M; writes no JSON table",
+    )
     p.add_argument("--sms", type=int, default=132, help="SM count assumed by --plan (H100/H200 SXM: 132)")
     return p
 
@@ -392,9 +398,24 @@ def csv_row(row: dict) -> dict:
     return {key: value for key, value in row.items() if key != "tiling"}
 
 
+def print_default_crossovers(rows: list[dict], ms) -> None:
+    """--check-defaults: the crossover the heuristic's tiling alone would give (what an untabled shape gets)."""
+    groups: dict[tuple[str, str], dict[int, dict]] = {}
+    for row in rows:
+        groups.setdefault((row["kind"], row["shape"]), {})[row["M"]] = row
+    print("\n== the heuristic's tiling alone: fused path faster than the large-M path for M <= crossover ==")
+    for (kind, shape), by_m in groups.items():
+        value = crossover_m(ms, {m: r.get("default_fwd_us") for m, r in by_m.items()},
+                            {m: r.get("large_us") for m, r in by_m.items()})  # fmt: skip
+        speedups = {m: _ratio(r.get("large_us"), r.get("default_fwd_us")) for m, r in sorted(by_m.items())}
+        ratios = " ".join(f"M={m}:{value:.2f}x" for m, value in speedups.items() if value is not None)
+        print(f"  {kind:5s} {shape:11s} heuristic crossover_m = {value}   large-M / heuristic: {ratios}", flush=True)
+
+
 def finalize(rows: list[dict], cand_rows: list[dict], ms, out: Path, env: dict, copy_gbs: Optional[float],
-             device: str, versions: tuple[str, str], merge: Optional[Path]) -> None:  # fmt: skip
-    """Crossovers, CSVs, printed tables, the JSON table (merged into ``merge`` if given) and the plot."""
+             device: str, versions: tuple[str, str], merge: Optional[Path], check: bool = False) -> None:  # fmt: skip
+    """Crossovers, CSVs, printed tables, the JSON table (merged into ``merge`` if given; none with ``check``, where
+    the tilings are the heuristic's and the table's, not a search's) and the plot."""
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     order = {kind: i for i, kind in enumerate(KINDS)}
     rows = sorted(rows, key=lambda r: (order.get(r["kind"], len(order)), r["N"], r["K"], r["M"]))
@@ -412,7 +433,7 @@ def finalize(rows: list[dict], cand_rows: list[dict], ms, out: Path, env: dict, 
         ("csv", lambda: (C.CsvLog(out / "tune_small_m.csv", SUMMARY_COLUMNS, env).rewrite([csv_row(r) for r in rows]),
                          C.CsvLog(out / "tune_candidates.csv", CANDIDATE_COLUMNS, env).rewrite(cand_rows))),
         ("tables", lambda: print_summary(rows, crossovers, copy_gbs, ms)),
-        ("json", json_step),
+        *([("heuristic", lambda: print_default_crossovers(rows, ms))] if check else [("json", json_step)]),
         ("plot", lambda: plot_results(rows, crossovers, ms, out / "tune_small_m.png", env)),
     ])  # fmt: skip
 
@@ -634,22 +655,35 @@ class Tuner:
         """The M whose tensor-core sweep seeds pass 2 (16, else the smallest pass-1 M above 1)."""
         return next((m for m in self.pass1_ms() if m > 1), None)
 
-    def default_tiling(self, m: int, n: int, k: int) -> Tiling:
+    def default_tiling(self, case: Case, m: int) -> Tiling:
         """The heuristic's tiling (what an untabled shape runs), with its effective split."""
         from peft_fastlora.ops.kernels.small_m import heuristic_config
 
-        config = heuristic_config(m, n, k, self.device)
-        return make_tiling(k, **{field: getattr(config, field) for field in CONFIG_FIELDS})
+        config = heuristic_config(m, case.n, case.k, self.device, case.kind)
+        return make_tiling(case.k, **{field: getattr(config, field) for field in CONFIG_FIELDS})
+
+    def check_candidates(self, case: Case, m: int) -> list[tuple[Tiling, str]]:
+        """--check-defaults: the heuristic's tiling and the shipped table's (where it lists this GPU and shape)."""
+        from peft_fastlora.ops.kernels.tuning import tuned_config
+
+        tabled = tuned_config(self.device, case.kind, m, case.n, case.k)
+        table = [] if tabled is None else [(make_tiling(case.k, **{f: getattr(tabled, f) for f in CONFIG_FIELDS}),
+                                            "table")]  # fmt: skip
+        return [(self.default_tiling(case, m), "default")] + table
 
     def pass1_candidates(self, case: Case, m: int) -> list[tuple[Tiling, str]]:
+        if self.args.check_defaults:
+            return self.check_candidates(case, m)
         grid = candidate_grid(m, case.n, case.k, self.sms, unfactored=case.kind == "nf4")
-        return [(self.default_tiling(m, case.n, case.k), "default")] + [(t, "grid") for t in grid]
+        return [(self.default_tiling(case, m), "default")] + [(t, "grid") for t in grid]
 
     def pass2_candidates(self, case: Case, m: int) -> list[tuple[Tiling, str]]:
+        if self.args.check_defaults:
+            return self.check_candidates(case, m)
         ref = self.ref_m()
         ranked = case.ranked.get(ref, []) if ref else []
         picks = finalists(ranked, m, ref, case.k, self.args.top) if ref else []
-        return [(self.default_tiling(m, case.n, case.k), "default")] + [(t, f"M={ref} best") for t in picks]
+        return [(self.default_tiling(case, m), "default")] + [(t, f"M={ref} best") for t in picks]
 
     def compile_jobs(self, plan: list[tuple[Case, int, list[tuple[Tiling, str]]]]) -> dict:
         jobs: dict[tuple[str, Tiling], list] = {}
@@ -885,7 +919,7 @@ class Tuner:
 
         device_name = torch.cuda.get_device_name(self.device)
         finalize(self.rows, self.cand_rows, self.ms, out, env, self.copy_gbs, device_name,
-                 (torch.__version__, triton.__version__), self.args.merge)  # fmt: skip
+                 (torch.__version__, triton.__version__), self.args.merge, self.args.check_defaults)  # fmt: skip
         measured = sum(1 for r in self.rows if r.get("tiling") is not None)
         total = len(self.args.kinds) * len(self.args.shapes) * len(self.ms)
         if measured < total:
@@ -936,6 +970,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.plan:
         print_plan(args)
         return 0
+    if args.check_defaults and args.merge is not None:
+        raise SystemExit("--check-defaults writes no table: drop --merge (or run without --check-defaults to tune).")
     if not torch.cuda.is_available():
         raise SystemExit(
             "tune_small_m.py times CUDA kernels, but torch.cuda.is_available() is False: run it on a GPU machine. "

@@ -200,6 +200,23 @@ def _bench_train_step():
     return _bench_module("bench_train_step")
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "llama-1b"])
+def test_every_arch_builds_a_model_of_its_shape(arch):
+    """``--arch`` names a shape; transformers builds it from the model_type (``llama-1b`` is a Llama)."""
+    from transformers import AutoModelForCausalLM
+
+    B = _bench_train_step()
+    config = B.model_config(tiny=True, arch=arch)
+    assert config.model_type == B.MODEL_TYPES.get(arch, arch) and config.dtype == torch.bfloat16
+    full = B.model_shape(arch)
+    assert config.tie_word_embeddings == full["tie_word_embeddings"]
+    model = AutoModelForCausalLM.from_config(config)
+    assert len(model.model.layers) == config.num_hidden_layers
+    if arch == "llama-1b":
+        assert full["num_hidden_layers"] == 16 and full["hidden_size"] == 2048
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
 def test_generation_round_order_rotates():
     """Round i starts at provider i mod P: over P rounds every provider takes every position once."""
     B = _bench_train_step()

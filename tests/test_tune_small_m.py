@@ -280,6 +280,41 @@ def test_finalize_writes_csv_json_and_plot(tmp_path, capsys):
     assert (tmp_path / "tune_small_m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_check_defaults_writes_no_table_and_prints_the_heuristic_crossover(tmp_path, capsys):
+    rows = fake_rows()
+    env = {"gpu": "NVIDIA H200 (fake)", "torch": "2.11.0", "date": "2025-01-31"}
+    T.finalize(rows, [], MS, tmp_path, env, 4000.0, "NVIDIA H200", ("2.11.0", "3.6.0"), None, check=True)
+    out = capsys.readouterr().out
+    # default_fwd_us is fwd_us + 1: nf4 still wins at 1 and 2 (4 unmeasured), int8 up to 16 (31 > 22 at 24)
+    assert "nf4   4096x4096   heuristic crossover_m = 2" in out
+    assert "int8  14336x4096  heuristic crossover_m = 16" in out and "M=24:0.71x" in out
+    assert (tmp_path / "tune_small_m.csv").exists() and not (tmp_path / T.JSON_NAME).exists()
+
+
+def test_check_defaults_refuses_merge(tmp_path):
+    with pytest.raises(SystemExit, match="writes no table: drop --merge"):
+        T.main(["--check-defaults", "--merge", str(tmp_path / "t.json")])
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_check_defaults_times_the_heuristic_and_the_table(monkeypatch, kind):
+    """The heuristic's tiling for this kind (int8 and nf4 differ at M = 1) first, then the table's where tabled."""
+    from peft_fastlora.ops.kernels import small_m
+
+    monkeypatch.setattr(small_m, "_sm_count", lambda index: SMS)
+    tabled = tuning.SmallMConfig(True, 64, 128, 8, 4, block_m=32)
+    monkeypatch.setattr(tuning, "tuned_config", lambda device, kind, m, n, k: tabled if m > 16 else None)
+    args = T.build_parser().parse_args(["--check-defaults", "--kinds", kind])
+    tuner = T.Tuner(args, torch.device("cuda", 0))
+    case = T.Case(kind, 64, 4096, torch.device("cpu"), l2_mb=0.001)
+    (default, source), = tuner.pass1_candidates(case, 1)
+    assert source == "default" and default == T.make_tiling(4096, **dataclasses.asdict(
+        small_m.heuristic_config(1, 64, 4096, torch.device("cuda", 0), kind)))  # fmt: skip
+    assert default.num_warps == (1 if kind == "nf4" else 4)
+    candidates = tuner.pass2_candidates(case, 24)
+    assert [source for _, source in candidates] == ["default", "table"] and candidates[1][0] == tabled
+
+
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_case_builds_its_layers_and_containers_on_cpu(kind):
     """The sweep's weights and PEFT layers (bitsandbytes quantizes on the CPU too): a renamed helper fails here, not

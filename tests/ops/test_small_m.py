@@ -251,6 +251,24 @@ def test_heuristic_tiles_any_row_count_on_a_gpu(monkeypatch):
     assert small_m.heuristic_config(1, 4096, 4096, cuda, "int8").num_warps == 4
 
 
+@pytest.mark.parametrize("m,block_m", [(2, 16), (16, 16), (17, 32), (32, 32), (33, 64), (64, 64), (96, 64)])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (8192, 2048), (256, 1536), (40, 192)])
+def test_heuristic_decodes_each_weight_tile_once_up_to_64_rows(monkeypatch, m, block_m, n, k):
+    """Past one row: 64 x 128 tiles in programs of the fewest of 16 / 32 / 64 rows holding ``m`` (what the H100 tuning
+    chose on every tabled shape), K split towards ~6 programs per SM (16 rows) or ~4 (more), never past the K tiles."""
+    from peft_fastlora.ops.kernels import small_m
+
+    monkeypatch.setattr(small_m, "_sm_count", lambda index: 132)
+    config = small_m.heuristic_config(m, n, k, torch.device("cuda", 0))
+    assert config.use_dot and config.rows_per_program == block_m and config.num_warps == 4
+    assert (config.block_n, config.block_k) == (64, min(128, 1 << (k - 1).bit_length()))
+    k_tiles = -(-k // config.block_k)
+    programs = -(-n // 64) * -(-m // block_m) * config.split_k
+    target = 132 * (6 if block_m == 16 else 4)
+    assert 1 <= config.split_k <= min(k_tiles, 16)
+    assert config.split_k in (k_tiles, 16) or target <= programs < target + -(-n // 64) * -(-m // block_m)
+
+
 def test_xa_chunking_never_needs_more_programs_than_there_are():
     for k in (16, 33, 192, 640, 4096, 14336, 14337):
         for programs in (1, 2, 3, 7, 16, 1024):

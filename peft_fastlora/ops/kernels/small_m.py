@@ -33,10 +33,12 @@ from .launch import (
     run_compiled,
 )
 from .small_m_kernel import WEIGHT_4BIT_ALIGNED, WEIGHT_4BIT_ANY, WEIGHT_INT8, _fused_small_m_kernel
-from .tuning import SmallMConfig, tuned_config, tuned_crossover
+from .tuning import BLOCK_MS, SmallMConfig, tuned_config, tuned_crossover
 
-# Rows up to which the dispatcher uses this kernel for a shape the tuning table does not list.
-SMALL_M_MAX = 16
+# Rows up to which the dispatcher uses this kernel for a shape the tuning table does not list. With the heuristic's
+# tiling it beat dequant + cuBLAS up to 24 rows on each of 12 untabled Llama-3.2 / Qwen2.5 shapes on an H100, and up to
+# 32 on all but one (2048 x 2048: 0.98x at 32); at 48 rows it lost on 5 of them (docs/benchmarks.md).
+SMALL_M_MAX = 32
 
 # xa = x_lora @ A.T is cut into at most this many K chunks, each made by one program (see small_m_kernel.py).
 XA_MAX_CHUNKS = 16
@@ -89,23 +91,31 @@ def heuristic_config(m: int, n: int, k: int, device: torch.device, kind: str = "
 
     One row: 8 x 512 tiles; for 4-bit weights on one warp (the M = 1 path decodes whole words per thread; the best
     tile of the H100 tuning) with K split towards ~24 programs per SM, for int8 on 4 warps, ~6 per SM. Several rows:
-    32 x 128 tensor-core tiles on 4 warps, ~6 programs per SM. The tiles keep registers below ~128 per thread so
-    that several programs share an SM: with the prefetch, the bytes in flight (what bounds a weight-streaming
-    kernel) grow with the number of resident programs.
+    64 x 128 tensor-core tiles on 4 warps in programs of the fewest of 16 / 32 / 64 rows that hold ``m`` (each
+    program decodes its weight tile once for all its rows), ~6 programs per SM with 16 rows and ~4 with more (every
+    split adds ``m`` x ``n`` fp32 partial sums). That is what the H100 tuning chose for Llama-3-8B's and Qwen2-7B's
+    shapes: their M > 1 tilings are 64 x 128 (a few 128 x 64 or 64 x 64) at 4 warps, in 32- and 64-row programs past
+    16 rows. The tiles keep registers below ~128 per thread so that several programs share an SM: with the prefetch,
+    the bytes in flight (what bounds a weight-streaming kernel) grow with the number of resident programs.
     """
+    block_m = 16
     if m == 1 and kind == "nf4":
-        block_m, block_n, block_k, warps, per_sm = 1, 8, 512, 1, 24
+        block_n, block_k, warps, per_sm = 8, 512, 1, 24
     elif m == 1:
-        block_m, block_n, block_k, warps, per_sm = 1, 8, 512, 4, 6
+        block_n, block_k, warps, per_sm = 8, 512, 4, 6
     else:
-        block_m, block_n, block_k, warps, per_sm = 16, 32, 128, 4, 6
+        block_m = next((rows for rows in BLOCK_MS if rows >= m), BLOCK_MS[-1])
+        block_n, block_k, warps, per_sm = 64, 128, 4, 6 if block_m == 16 else 4
     block_k = min(block_k, max(16, next_power_of_2(k)))
     if device.type != "cuda":  # the interpreter: fewest programs is fastest
-        return SmallMConfig(use_dot=m > 1, block_n=min(block_n, max(16, next_power_of_2(n))), block_k=block_k)
+        block_n = min(block_n, max(16, next_power_of_2(n)))
+        return SmallMConfig(use_dot=m > 1, block_n=block_n, block_k=block_k, block_m=block_m)
     tiles = max(1, cdiv(n, block_n) * cdiv(m, block_m))  # zero rows: a call that launches nothing
     k_tiles = cdiv(k, block_k)
     split_k = max(1, min(cdiv(per_sm * _sm_count(device.index or 0), tiles), k_tiles, 16))
-    return SmallMConfig(use_dot=m > 1, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps)
+    return SmallMConfig(
+        use_dot=m > 1, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps, block_m=block_m
+    )
 
 
 def xa_chunking(k: int, programs_per_m_tile: int) -> tuple[int, int, int]:
