@@ -112,6 +112,7 @@ def _load_weight_raw(
 def _decode_weight_tile(
     packed,
     raw_scale,
+    lane_entry,  # (1, 1, 1, 1) from _lane_code_entry (SHUFFLE_LUT)
     code_ptr,
     nested_code_ptr,
     nested_absmax_ptr,
@@ -131,15 +132,25 @@ def _decode_weight_tile(
     DTYPE: tl.constexpr,
     INTERPRET: tl.constexpr,
     MUL_RN: tl.constexpr,
+    SHUFFLE_LUT: tl.constexpr,
 ):
-    """The (BLOCK_N, BLOCK_K) tile from ``_load_weight_raw``, dequantized exactly and rounded to ``DTYPE``."""
+    """The (BLOCK_N, BLOCK_K) tile from ``_load_weight_raw``, dequantized exactly and rounded to ``DTYPE``.
+
+    4-bit codes are looked up as on the M = 1 path ([`_lookup_codes`]): by warp shuffle in compiled kernels, which
+    gives the same fp32 table entries as a gather in fewer instructions per weight."""
     mask_n = offs_n < N
     rows = offs_n.to(tl.int64)
     if WEIGHT_KIND == WEIGHT_4BIT_ALIGNED:
         scale = _sub_block_scales(raw_scale, nested_code_ptr, nested_absmax_ptr, offset_ptr, offs_n, k0, k_end, N, K,
                                   BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB, BLOCK_K // SUB, MUL_RN)  # fmt: skip
         scale = scale[:, :, None]
-        high, low = decode_nibbles(packed, code_ptr)
+        if SHUFFLE_LUT:
+            codes = packed.to(tl.int32)
+            lane_entry = tl.reshape(lane_entry, (1, 1, 1))
+            high = _lookup_codes(codes >> 4, lane_entry, code_ptr, SHUFFLE_LUT)
+            low = _lookup_codes(codes, lane_entry, code_ptr, SHUFFLE_LUT)
+        else:
+            high, low = decode_nibbles(packed, code_ptr)
         w = tl.interleave(round_to(high * scale, DTYPE, INTERPRET), round_to(low * scale, DTYPE, INTERPRET))
         w = tl.reshape(w, (BLOCK_N, BLOCK_K))  # (BLOCK_N, NB, SUB) -> (BLOCK_N, BLOCK_K)
     elif WEIGHT_KIND == WEIGHT_4BIT_ANY:
@@ -330,7 +341,7 @@ def _fused_small_m_kernel(
     INTERPRET: tl.constexpr,
     FACTOR_SCALES: tl.constexpr,  # M = 1, ALIGNED 4-bit, W as int32 words: scale per sub-block (_factored_row_dot)
     MUL_RN: tl.constexpr,  # exact nested-absmax decode with fp fusion on (compiled kernels; see _decode_absmax)
-    SHUFFLE_LUT: tl.constexpr,  # FACTOR_SCALES code lookups by warp shuffle (compiled kernels; see _lookup_codes)
+    SHUFFLE_LUT: tl.constexpr,  # 4-bit code lookups by warp shuffle (compiled kernels; see _lookup_codes)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -353,12 +364,12 @@ def _fused_small_m_kernel(
     # Software prefetch: the reads of tile i + 1 (weight codes, scales, x) are issued before tile i is decoded and
     # multiplied. (Triton's own pipeliner, num_stages > 1, would also stage the per-element code-table gathers
     # through shared memory.) A prefetch past k_end is fully masked and reads nothing.
+    if SHUFFLE_LUT:
+        lane_entry = _lane_code_entry(code_ptr)
+    else:
+        lane_entry = tl.zeros((1, 1, 1, 1), tl.int32)
     if FACTOR_SCALES:
         # Here w_ptr holds int32 words and stride_wn counts words (small_m.py).
-        if SHUFFLE_LUT:
-            lane_entry = _lane_code_entry(code_ptr)
-        else:
-            lane_entry = tl.zeros((1, 1, 1, 1), tl.int32)
         x_row_ptr = x_ptr + pid_m * stride_xm
         words, raw_scale, x_cur = _load_words(w_ptr, absmax_ptr, x_row_ptr, offs_n, k_start, k_end, N, K, stride_wn,
                                               BLOCKSIZE, SUB, BLOCK_K)  # fmt: skip
@@ -378,9 +389,10 @@ def _fused_small_m_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         x_tile = _load_x_tile(x_ptr, offs_m, k_start, k_end, M, stride_xm, USE_DOT, BLOCK_K)
         for k0 in range(k_start, k_end, BLOCK_K):
-            w = _decode_weight_tile(packed, raw_scale, code_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, offs_n,
-                                    k0, k_end, N, K, WEIGHT_KIND, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB, BLOCK_N,
-                                    BLOCK_K, x_ty, INTERPRET, MUL_RN)  # fmt: skip
+            w = _decode_weight_tile(packed, raw_scale, lane_entry, code_ptr, nested_code_ptr, nested_absmax_ptr,
+                                    offset_ptr, offs_n, k0, k_end, N, K, WEIGHT_KIND, BLOCKSIZE, NESTED,
+                                    NESTED_BLOCKSIZE, SUB, BLOCK_N, BLOCK_K, x_ty, INTERPRET, MUL_RN,
+                                    SHUFFLE_LUT)  # fmt: skip
             x_cur = x_tile
             packed, raw_scale = _load_weight_raw(w_ptr, absmax_ptr, offs_n, k0 + BLOCK_K, k_end, N, K, stride_wn,
                                                  WEIGHT_KIND, BLOCKSIZE, SUB, BLOCK_N, BLOCK_K)  # fmt: skip
