@@ -37,7 +37,7 @@ from .tuning import BLOCK_MS, SmallMConfig, tuned_config, tuned_crossover
 
 # Rows up to which the dispatcher uses this kernel for a shape the tuning table does not list. With the heuristic's
 # tiling it beat dequant + cuBLAS up to 24 rows on each of 12 untabled Llama-3.2 / Qwen2.5 shapes on an H100, and up to
-# 32 on all but one (2048 x 2048: 0.98x at 32); at 48 rows it lost on 5 of them (docs/benchmarks.md).
+# 32 on all but one (2048 x 2048: a tie at 32, 0.98-1.00x); at 48 rows it lost on 5 of them (docs/benchmarks.md).
 SMALL_M_MAX = 32
 
 # xa = x_lora @ A.T is cut into at most this many K chunks, each made by one program (see small_m_kernel.py).

@@ -23,9 +23,9 @@ Numerics follow ``reference.lora_linear_ref``: W is dequantized exactly as the d
 ``x.dtype`` before the multiply; sums are fp32 (in a different order than torch, hence the test tolerances). One
 exception, ``FACTOR_SCALES`` (M = 1, 4-bit rows of whole absmax blocks, the default there): each block's
 ``code * x`` products are summed first and scaled once, so W is never rounded to ``x.dtype`` (more accurate than the
-reference; the tests bound it against the fp32 W). That path reads W as 32-bit words (8 weights) and, compiled,
-looks codes up with warp shuffles from a table held one entry per lane (``SHUFFLE_LUT``): about 4 instructions per
-weight instead of 9 with a gather from memory (docs/kernels.md has the measurements).
+reference; the tests bound it against the fp32 W). That path reads W as 32-bit words (8 weights). Compiled kernels
+look 4-bit codes up (on both paths) with warp shuffles from a table held one entry per lane (``SHUFFLE_LUT``): one
+instruction per weight instead of the five of a gather from memory (docs/kernels.md has the measurements).
 
 The launcher, ``small_m.py``, chooses the tiling and builds the argument list.
 """
@@ -364,7 +364,7 @@ def _fused_small_m_kernel(
     # Software prefetch: the reads of tile i + 1 (weight codes, scales, x) are issued before tile i is decoded and
     # multiplied. (Triton's own pipeliner, num_stages > 1, would also stage the per-element code-table gathers
     # through shared memory.) A prefetch past k_end is fully masked and reads nothing.
-    if SHUFFLE_LUT:
+    if SHUFFLE_LUT and WEIGHT_KIND == WEIGHT_4BIT_ALIGNED:  # int8 has no code table (its code_ptr is a stand-in)
         lane_entry = _lane_code_entry(code_ptr)
     else:
         lane_entry = tl.zeros((1, 1, 1, 1), tl.int32)
