@@ -14,7 +14,11 @@ Two checks per result:
 """
 
 import dataclasses
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -368,3 +372,21 @@ def test_check_still_fails_on_a_real_error():
     bad[1, 7] += 0.125 + 0.125 * bad[1, 7].abs()  # ~16 ulp of an O(1) bf16 value
     with pytest.raises(AssertionError, match="differ from lora_linear_ref"):
         check(bad, x, weight, bias, a, b, 0.5, lx, *TOLERANCES[2][1:])
+
+
+@pytest.mark.slow
+def test_compiled_4bit_paths_look_codes_up_by_shuffle():
+    """Compiled for sm_90 ahead of time (no GPU; a subprocess, since the interpreter's kernels cannot be compiled):
+    every 4-bit weight the M = 1 and the tensor-core paths decode is one 16-lane shuffle (8 x 512 on one warp: 128 per
+    thread; 64 x 128 on 4 warps: 64), the gather variant and int8 have none and read no lane id."""
+    pytest.importorskip("triton.backends.nvidia")
+    root = Path(__file__).resolve().parents[2]
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_sm90_ptx.py"))], capture_output=True,
+                          text=True, env=env, cwd=root, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts["4bit-m1"] == {"code_shuffles": 128, "laneid": 1}
+    assert counts["4bit-dot"] == {"code_shuffles": 64, "laneid": 1}
+    assert counts["4bit-dot-gather"] == counts["int8-dot"] == {"code_shuffles": 0, "laneid": 0}
