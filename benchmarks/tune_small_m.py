@@ -36,6 +36,7 @@ tune_small_m.png (us vs M per shape) and small_m_configs.json, the table whose f
 measured shape replaces its entry) and writes the merged table to --out too.
 
     python benchmarks/tune_small_m.py --out benchmarks/results/tune      # ~2-3 min on one H100/H200, <= 240 s
+    python benchmarks/tune_small_m.py --model-config /path/to/model --merge my_small_m.json  # a model's shapes
     python benchmarks/tune_small_m.py --plan                             # grid sizes only, no GPU
     python benchmarks/tune_small_m.py --from-json DIR/small_m_configs.json \
         --merge peft_fastlora/ops/configs/small_m.json                   # merge tables, no GPU
@@ -47,6 +48,7 @@ import argparse
 import dataclasses
 import datetime
 import itertools
+import json
 import math
 import multiprocessing
 import os
@@ -236,6 +238,30 @@ def parse_shapes(value: str) -> list[tuple[int, int]]:
     return list(dict.fromkeys(shapes))
 
 
+def shapes_of_model(config: dict) -> list[tuple[int, int]]:
+    """(N, K) of a decoder's linear layers from a transformers config dict: q, k / v, o, gate / up, down."""
+    config = config.get("text_config") or config  # multimodal configs nest the language model's
+    missing = [key for key in ("hidden_size", "intermediate_size", "num_attention_heads") if key not in config]
+    if missing:
+        raise ValueError(f"the config has no {missing} (a decoder-only transformers config has them)")
+    hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    shapes = [(heads * head_dim, hidden), (kv_heads * head_dim, hidden), (hidden, heads * head_dim), (inter, hidden),
+              (hidden, inter)]  # fmt: skip
+    return list(dict.fromkeys(shapes))
+
+
+def parse_model_config(value: str) -> list[tuple[int, int]]:
+    """``--model-config``: a transformers ``config.json`` (or the folder holding it) -> its linear shapes."""
+    path = Path(value)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        return shapes_of_model(json.loads(path.read_text()))
+    except (OSError, ValueError) as err:  # json.JSONDecodeError is a ValueError
+        raise argparse.ArgumentTypeError(f"cannot read the linear shapes of {path}: {err}") from err
+
+
 def parse_ms(value: str) -> list[int]:
     items = C.parse_csv_arg(value) or []
     if not items or not all(i.isdigit() and int(i) > 0 for i in items):
@@ -260,7 +286,11 @@ def default_workers() -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/tune"), help="output directory")
-    p.add_argument("--shapes", type=parse_shapes, default=SHAPES, help="NxK list (default: Llama-3-8B's three)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--shapes", type=parse_shapes, default=SHAPES, help="NxK list (default: Llama-3-8B's three)")
+    which.add_argument("--model-config", type=parse_model_config, dest="model_shapes", metavar="PATH",
+                       help="a model's transformers config.json (or its folder): tune the shapes of its linear layers "
+                       "(q, k / v, o, gate / up, down) instead of --shapes")  # fmt: skip
     p.add_argument("--kinds", type=parse_kinds, default=list(KINDS), help="nf4,int8")
     p.add_argument("--ms", type=parse_ms, default=list(MS), help=f"row counts M (default {','.join(map(str, MS))})")
     p.add_argument("--time-budget", type=float, default=240.0, help="seconds for the whole run (default 240)")
@@ -965,6 +995,8 @@ def merge_only(args) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.model_shapes is not None:
+        args.shapes = args.model_shapes
     if args.from_json is not None:
         return merge_only(args)
     if args.plan:

@@ -60,6 +60,45 @@ def test_bad_arguments_name_the_problem(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
+LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 64, "model_type": "llama"}  # fmt: skip
+
+
+def test_model_config_gives_the_linear_shapes(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_1B))
+    for value in (tmp_path, tmp_path / "config.json"):  # the folder or the file
+        args = T.build_parser().parse_args(["--model-config", str(value)])
+        assert args.model_shapes == [(2048, 2048), (512, 2048), (8192, 2048), (2048, 8192)]  # q = o, k/v, up, down
+    # no head_dim / num_key_value_heads: hidden / heads, and as many K/V heads as heads; nested text_config
+    nested = {"text_config": {k: v for k, v in LLAMA_1B.items() if k not in ("head_dim", "num_key_value_heads")}}
+    assert T.shapes_of_model(nested) == [(2048, 2048), (8192, 2048), (2048, 8192)]
+
+
+def test_model_config_errors_name_the_file_and_the_key(tmp_path, capsys):
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(SystemExit) as exit_info:
+        T.main(["--model-config", str(bad), "--plan"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "intermediate_size" in err
+    with pytest.raises(SystemExit):
+        T.main(["--model-config", str(tmp_path / "absent"), "--plan"])
+    assert "cannot read the linear shapes" in capsys.readouterr().err
+    bad.write_text(json.dumps(LLAMA_1B))
+    with pytest.raises(SystemExit):  # one or the other
+        T.main(["--model-config", str(bad), "--shapes", "64x64"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_model_config_shapes_are_what_the_run_uses(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_1B))
+    assert T.main(["--model-config", str(tmp_path), "--plan", "--kinds", "nf4"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"nf4  {shape:11s} M=16" in out for shape in ("2048x2048", "512x2048", "8192x2048", "2048x8192"))
+    assert "4096x4096" not in out
+
+
 def test_without_cuda_exits_with_a_clear_message(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_info:
