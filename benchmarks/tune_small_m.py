@@ -143,6 +143,11 @@ def make_tiling(k: int, use_dot: bool, block_n: int, block_k: int, split_k: int 
     return SmallMConfig(bool(use_dot), block_n, block_k, split, num_warps, num_stages, **extra, block_m=block_m)
 
 
+def as_tiling(k: int, config: SmallMConfig) -> Tiling:
+    """``config`` (the heuristic's or the table's) as a tiling: the same fields with its effective ``split_k``."""
+    return make_tiling(k, **{field: getattr(config, field) for field in CONFIG_FIELDS})
+
+
 def elems_per_thread(use_dot: bool) -> tuple[int, int]:
     """The (lowest, highest) weight elements per thread of a candidate tile."""
     return ELEMS_PER_THREAD if use_dot else FMA_ELEMS_PER_THREAD
@@ -690,15 +695,14 @@ class Tuner:
         from peft_fastlora.ops.kernels.small_m import heuristic_config
 
         config = heuristic_config(m, case.n, case.k, self.device, case.kind)
-        return make_tiling(case.k, **{field: getattr(config, field) for field in CONFIG_FIELDS})
+        return as_tiling(case.k, config)
 
     def check_candidates(self, case: Case, m: int) -> list[tuple[Tiling, str]]:
         """--check-defaults: the heuristic's tiling and the shipped table's (where it lists this GPU and shape)."""
         from peft_fastlora.ops.kernels.tuning import tuned_config
 
         tabled = tuned_config(self.device, case.kind, m, case.n, case.k)
-        table = [] if tabled is None else [(make_tiling(case.k, **{f: getattr(tabled, f) for f in CONFIG_FIELDS}),
-                                            "table")]  # fmt: skip
+        table = [] if tabled is None else [(as_tiling(case.k, tabled), "table")]
         return [(self.default_tiling(case, m), "default")] + table
 
     def pass1_candidates(self, case: Case, m: int) -> list[tuple[Tiling, str]]:
