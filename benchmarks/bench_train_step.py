@@ -108,6 +108,8 @@ PROVIDERS = {
     "fastlora-compiled-nf4": ("nf4", "fastpath-compile-only"),
     "fastpath-lossonly-nf4": ("nf4", "fastpath-loss-only"),
     "fastpath-ligerloss-nf4": ("nf4", "fastpath-liger-loss"),
+    # The fast path with the whole LoRA MLP as one op (fuse_mlp="all": each LoRA term inside its base matmul).
+    "fastpath-mlp-nf4": ("nf4", "fastpath-mlp"),
     # The fast path with the step recorded as CUDA graphs (peft_fastlora.GraphedTrainStep; eager on the CPU).
     "fastpath-graph-nf4": ("nf4", "fastpath-graph"),
     # Unsloth's own QLoRA step (benchmarks/unsloth_step.py), always in its own process; its checkpointing row uses
@@ -117,7 +119,7 @@ PROVIDERS = {
 # What runs without --providers: everything but the fast path's halves and Unsloth (which needs its own install).
 DEFAULT_PROVIDERS = [p for p in PROVIDERS if p not in ("fastlora-liger-nf4", "fastlora-compiled-nf4",
                                                        "fastpath-lossonly-nf4", "fastpath-ligerloss-nf4",
-                                                       "unsloth-nf4")]  # fmt: skip
+                                                       "fastpath-mlp-nf4", "unsloth-nf4")]  # fmt: skip
 # enable_fast_path options per fast-path tuner; activation offload applies only to the checkpointed rows.
 FAST_PATH_OPTIONS = {
     "fastpath": dict(liger="auto", compile_blocks=False, offload_activations=True),
@@ -126,6 +128,7 @@ FAST_PATH_OPTIONS = {
     "fastpath-loss-only": dict(liger=["fused_linear_cross_entropy"], compile_blocks=False, offload_activations=True),
     # The fast path with Liger's fused linear cross-entropy instead of ours.
     "fastpath-liger-loss": dict(liger="auto", compile_blocks=False, offload_activations=True, fused_loss=False),
+    "fastpath-mlp": dict(liger="auto", compile_blocks=False, offload_activations=True, fuse_mlp="all"),
     "fastpath-graph": dict(liger="auto", compile_blocks=False, offload_activations=True),
 }
 # Tuners whose step is a peft_fastlora.GraphedTrainStep instead of train_step.
@@ -134,6 +137,7 @@ PEFT_TWIN = {"fastlora-nf4": "peft-bnb-nf4", "fastlora-nf4-dq": "peft-bnb-nf4-dq
              "fastpath-nf4": "peft-bnb-nf4", "fastlora-liger-nf4": "peft-bnb-nf4",
              "fastlora-compiled-nf4": "peft-bnb-nf4", "fastpath-lossonly-nf4": "peft-bnb-nf4",
              "fastpath-ligerloss-nf4": "peft-bnb-nf4", "fastpath-graph-nf4": "peft-bnb-nf4",
+             "fastpath-mlp-nf4": "peft-bnb-nf4",
              "unsloth-nf4": "peft-bnb-nf4"}  # fmt: skip
 COLORS = {p: f"C{i}" for i, p in enumerate(PROVIDERS)}
 GEN_PROVIDERS = ["bf16-lora", "peft-bnb-nf4", "fastlora-nf4", "peft-bnb-int8", "fastlora-int8"]

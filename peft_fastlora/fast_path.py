@@ -38,7 +38,7 @@ from torch import nn
 
 from ._forward import set_instance_forward
 from .fused_loss import apply_fused_loss, fused_loss_refusal, plain_head
-from .ops import swiglu_lora_linear
+from .ops import LoraProjection, lora_mlp, lora_mlp_fusable, swiglu_lora_linear
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def enable_fast_path(
     liger: Union[bool, str, Sequence[str]] = "auto",
     compile_blocks: bool = False,
     offload_activations: bool = False,
-    fuse_mlp: bool = True,
+    fuse_mlp: Union[bool, str] = True,
     fused_loss: bool = True,
     compile_options: Optional[dict[str, Any]] = None,
 ) -> FastPathReport:
@@ -111,11 +111,15 @@ def enable_fast_path(
             0.80x the eager Liger step at batch 1 and 0.99x at batch 4 (docs/fast-path.md).
         offload_activations (`bool`, defaults to `False`): With gradient checkpointing, keep the checkpointed block
             inputs in pinned CPU memory (copied on a side stream). Trades PCIe traffic for GPU memory.
-        fuse_mlp (`bool`, defaults to `True`): In SwiGLU MLPs (``down_proj(silu(gate_proj(x)) * up_proj(x))``, as in
-            Llama, Mistral, Qwen2) whose down projection is a FastLoRA layer, fuse the SwiGLU into the down projection
-            while training ([`~peft_fastlora.ops.swiglu_lora_linear`]): backward recomputes ``silu(gate) * up``
-            instead of keeping it, one tokens x intermediate tensor less per layer (replaces Liger's SwiGLU). Eager
-            blocks only.
+        fuse_mlp (`bool` or `"all"`, defaults to `True`): In SwiGLU MLPs (``down_proj(silu(gate_proj(x)) *
+            up_proj(x))``, as in Llama, Mistral, Qwen2) whose down projection is a FastLoRA layer, fuse the SwiGLU
+            into the down projection while training ([`~peft_fastlora.ops.swiglu_lora_linear`]): backward recomputes
+            ``silu(gate) * up`` instead of keeping it, one tokens x intermediate tensor less per layer (replaces
+            Liger's SwiGLU). `"all"`: when all three projections are FastLoRA layers with one plain adapter and no
+            bias, the whole MLP trains as one op ([`~peft_fastlora.ops.lora_mlp`]) whose LoRA terms are summed
+            inside the base matmuls in fp32, so that a LoRA term under half a bf16 ulp of the output (early in
+            training, B starting at zero) is not rounded away; on an H100 it runs at the speed of `True` with
+            0.04-0.12 GiB more peak memory (docs/fast-path.md). Other MLPs fall back to `True`. Eager blocks only.
         fused_loss (`bool`, defaults to `True`): Compute the LM head and the cross-entropy of training forwards in
             chunks of rows ([`~peft_fastlora.ops.linear_cross_entropy`]), never the whole fp32 logits. Models whose
             logits are capped or scaled, or that add a router loss, keep their own (noted in the report); naming
@@ -133,7 +137,7 @@ def enable_fast_path(
     _check_choice("liger", liger, (True, False, "auto"))
     _check_choice("compile_blocks", compile_blocks, (True, False))
     _check_choice("offload_activations", offload_activations, (True, False))
-    _check_choice("fuse_mlp", fuse_mlp, (True, False))
+    _check_choice("fuse_mlp", fuse_mlp, (True, False, "all"))
     _check_choice("fused_loss", fused_loss, (True, False))
     hf_model = transformers_model(model)
     model_type = str(getattr(hf_model.config, "model_type", "") or type(hf_model).__name__)
@@ -157,7 +161,7 @@ def enable_fast_path(
     if mlps and only is not None and "swiglu" in only:
         report.notes.append("Liger's swiglu replaced by the fused MLP (fuse_mlp=False keeps it)")
     for mlp in mlps:
-        set_instance_forward(mlp, _fused_mlp_forward)
+        set_instance_forward(mlp, _lora_mlp_forward if fuse_mlp == "all" else _fused_mlp_forward)
     report.fused_mlps = len(mlps)
     if compile_now:
         report.compiled_blocks = _compile_blocks(blocks, compile_options or {})
@@ -273,6 +277,37 @@ def _swiglu_mlps(blocks: list[nn.Module]) -> list[nn.Module]:
         if silu and isinstance(mlp.down_proj, FastLoraLayer):
             found.append(mlp)
     return found
+
+
+def _lora_projections(mlp: nn.Module, hidden_states: torch.Tensor) -> Optional[tuple[LoraProjection, ...]]:
+    """The MLP's gate, up and down projections for [`lora_mlp`] when each is one FastLoRA op with one plain adapter
+    and no bias (and the compute dtype is not fp16, whose overflow guard runs per layer); else None."""
+    from .layer import FastLoraLayer
+
+    layers = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if not all(isinstance(layer, FastLoraLayer) for layer in layers):
+        return None
+    device_type = hidden_states.device.type
+    autocast = torch.is_autocast_enabled(device_type)
+    if (torch.get_autocast_dtype(device_type) if autocast else hidden_states.dtype) == torch.float16:
+        return None
+    projections = []
+    for layer in layers:
+        args = layer.single_adapter_args(hidden_states)
+        if args is None or args[1] is not None:
+            return None
+        weight, _, lora_a, lora_b, scaling = args
+        projections.append(LoraProjection(weight, lora_a, lora_b, scaling))
+    return tuple(projections) if lora_mlp_fusable(*projections) else None
+
+
+def _lora_mlp_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A SwiGLU MLP's forward as one [`lora_mlp`] op when it trains with plain adapters on all three projections;
+    otherwise as [`_fused_mlp_forward`]."""
+    projections = _lora_projections(self, hidden_states) if torch.is_grad_enabled() else None
+    if projections is None:
+        return _fused_mlp_forward(self, hidden_states)
+    return lora_mlp(hidden_states, *projections)
 
 
 def _fused_mlp_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -35,3 +35,12 @@ def tiny_llama_path(tmp_path_factory):
     from tests.utils import save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_blocks_path(tmp_path_factory):
+    """The tiny Llama with an MLP of whole 4-bit absmax blocks (intermediate 128): what the fused LoRA MLP takes
+    (``tiny_llama_path``'s 96 is one and a half blocks, which keeps the down projection fusion only)."""
+    from tests.utils import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-blocks"), intermediate_size=128)

@@ -189,6 +189,51 @@ def test_fused_mlp_matches_the_module_math_and_keeps_less(tiny_llama_path, monke
         torch.testing.assert_close(fused(input_ids=ids).logits, plain(input_ids=ids).logits, atol=0, rtol=0)
 
 
+def _count_calls(monkeypatch, name: str) -> list[int]:
+    calls = [0]
+    real = getattr(fast_path, name)
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fast_path, name, counting)
+    return calls
+
+
+@pytest.mark.parametrize("ckpt", ["off", "non-reentrant", "reentrant"])
+def test_whole_lora_mlp_matches_the_module_math(tiny_llama_blocks_path, monkeypatch, ckpt):
+    """With ``fuse_mlp="all"``, MLPs of whole absmax blocks with plain adapters on all three projections train
+    through the whole-MLP op (each LoRA term inside its matmul) in every layer; loss and every LoRA grad match the
+    unfused model's within bf16 rounding, and the default (``fuse_mlp=True``) keeps the down projection fusion
+    only."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    plain, whole, down = (fastlora_model(tiny_llama_blocks_path) for _ in range(3))
+    assert peft_fastlora.enable_fast_path(whole, liger=False, fuse_mlp="all").fused_mlps == 2
+    assert peft_fastlora.enable_fast_path(down, liger=False).fused_mlps == TINY_LLAMA["num_hidden_layers"]
+    whole_calls, down_calls = _count_calls(monkeypatch, "lora_mlp"), _count_calls(monkeypatch, "swiglu_lora_linear")
+    for model in (plain, whole, down):
+        set_checkpointing(model, ckpt)
+        model.train()
+    ids = tokens(rows=2, seq=8)
+    loss_plain, grads_plain = _loss_and_grads(plain, ids)
+    loss_whole, grads_whole = _loss_and_grads(whole, ids)
+    # non-reentrant checkpointing runs the forward twice with grad; reentrant runs the first one without (the
+    # module's math, nothing to fuse for) and the recompute with
+    forwards = TINY_LLAMA["num_hidden_layers"] * (2 if ckpt == "non-reentrant" else 1)
+    assert whole_calls[0] == forwards and down_calls[0] == 0
+    _loss_and_grads(down, ids)
+    assert whole_calls[0] == forwards and down_calls[0] == forwards
+    torch.testing.assert_close(loss_whole, loss_plain, atol=1e-4, rtol=1e-4)
+    assert grads_whole.keys() == grads_plain.keys() and any("gate_proj" in n for n in grads_whole)
+    for name, grad in grads_plain.items():
+        scale = grad.abs().max().item()
+        torch.testing.assert_close(grads_whole[name], grad, atol=2e-2 * scale, rtol=2e-2, msg=name)
+    with torch.no_grad():  # inference runs the module's own math
+        torch.testing.assert_close(whole(input_ids=ids).logits, plain(input_ids=ids).logits, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("model_type", ["qwen2", "mistral"])
 def test_fused_mlp_on_other_swiglu_architectures(tmp_path, monkeypatch, model_type):
     """Not Llama-only: a tiny Qwen2 and Mistral get the fused MLP in every layer, and their loss and gradients match the
@@ -270,7 +315,8 @@ def test_unsupported_architecture_warns_or_raises(tiny_llama_path, fake_liger, m
         peft_fastlora.enable_fast_path(model, liger=True)
 
 
-@pytest.mark.parametrize(("name", "value"), [("liger", "yes"), ("compile_blocks", "auto"), ("offload_activations", 1)])
+@pytest.mark.parametrize(("name", "value"), [("liger", "yes"), ("compile_blocks", "auto"), ("offload_activations", 1),
+                                             ("fuse_mlp", "down")])
 def test_bad_arguments_name_the_argument(tiny_llama_path, name, value):
     model = fastlora_model(tiny_llama_path)
     with pytest.raises(ValueError, match=f"`{name}` must be one of .* got {value!r}"):
@@ -363,13 +409,15 @@ def _has_liger_rms_norm(model) -> bool:
 
 
 @pytest.mark.gpu
-def test_fast_path_with_liger_tracks_plain_fastlora_over_20_steps(tiny_llama_path, restore_llama_module):
+@pytest.mark.parametrize("path", ["tiny_llama_path", "tiny_llama_blocks_path"])  # down projection / whole MLP fused
+def test_fast_path_with_liger_tracks_plain_fastlora_over_20_steps(path, request, restore_llama_module):
+    path = request.getfixturevalue(path)
     ids = torch.randint(3, 128, (4, 64), device="cuda")
     curves = []
     for use_fast in (False, True):
-        model = fastlora_model(tiny_llama_path, device="cuda")
-        if use_fast:
-            assert peft_fastlora.enable_fast_path(model, liger=True).liger_kernels
+        model = fastlora_model(path, device="cuda")
+        if use_fast:  # on the blocks model, the whole-MLP op
+            assert peft_fastlora.enable_fast_path(model, liger=True, fuse_mlp="all").liger_kernels
         model.train()
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         curve = []
@@ -462,18 +510,6 @@ def _forwards_per_step(model) -> int:
     return 2 if model.get_base_model().is_gradient_checkpointing else 1
 
 
-def _count_fused_mlp_calls(monkeypatch) -> list[int]:
-    calls = [0]
-    fused = fast_path.swiglu_lora_linear
-
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return fused(*args, **kwargs)
-
-    monkeypatch.setattr(fast_path, "swiglu_lora_linear", counting)
-    return calls
-
-
 def test_sft_trainer_trains_through_the_fused_mlp(tiny_llama_path, tmp_path, monkeypatch):
     """`enable_fast_path` before TRL's `SFTTrainer`: its loss (TRL's own tiled LM head) runs the decoder blocks, whose
     MLPs take the fused SwiGLU + down projection in every training step, and every adapter tensor trains."""
@@ -481,7 +517,7 @@ def test_sft_trainer_trains_through_the_fused_mlp(tiny_llama_path, tmp_path, mon
         monkeypatch.setenv(FORCE_TRITON_ENV, "1")
     model = fastlora_model(tiny_llama_path)
     assert peft_fastlora.enable_fast_path(model, liger=False).fused_mlps == TINY_LLAMA["num_hidden_layers"]
-    calls = _count_fused_mlp_calls(monkeypatch)
+    calls = _count_calls(monkeypatch, "swiglu_lora_linear")
     trainer = _sft_trainer(model, tmp_path, "cpu", steps=3)
     _train_moves_every_adapter(trainer, model)
     assert calls[0] == 3 * TINY_LLAMA["num_hidden_layers"] * _forwards_per_step(model)
@@ -504,7 +540,7 @@ def test_sft_trainer_after_enable_fast_path_on_gpu(tiny_llama_path, tmp_path, re
     model = fastlora_model(tiny_llama_path, device="cuda")
     report = peft_fastlora.enable_fast_path(model, liger=True)
     assert report.fused_mlps == TINY_LLAMA["num_hidden_layers"] and "rms_norm" in report.liger_kernels
-    calls = _count_fused_mlp_calls(monkeypatch)
+    calls = _count_calls(monkeypatch, "swiglu_lora_linear")
     trainer = _sft_trainer(model, tmp_path, "cuda", steps=4)
     _train_moves_every_adapter(trainer, model)
     assert calls[0] == 4 * TINY_LLAMA["num_hidden_layers"] * _forwards_per_step(model)

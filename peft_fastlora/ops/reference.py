@@ -103,22 +103,32 @@ def lora_linear_ref(
     return out
 
 
-def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` in ``gate.dtype``, math in fp32 with one rounding (twin of ``kernels.swiglu.silu_mul``)."""
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``silu(gate) * up`` in ``gate.dtype``, math in fp32 with one rounding, into ``out`` when given (twin of
+    ``kernels.swiglu.silu_mul``)."""
     g = gate.float()
-    return (g * torch.sigmoid(g) * up.float()).to(gate.dtype)
+    h = (g * torch.sigmoid(g) * up.float()).to(gate.dtype)
+    return h if out is None else out.copy_(h)
 
 
 def silu_mul_backward_ref(
-    grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, grad_h_is_scratch: bool = False
+    grad_h: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    *,
+    grad_h_is_scratch: bool = False,
+    out_up: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d gate, d up)`` of [`silu_mul_ref`], fp32 math, one rounding each (twin of
-    ``kernels.swiglu.silu_mul_backward``; ``grad_h_is_scratch``: d gate is written into ``grad_h``)."""
+    ``kernels.swiglu.silu_mul_backward``; ``grad_h_is_scratch``: d gate is written into ``grad_h``; ``out_up``: d up
+    is written there)."""
     dh, g, u = grad_h.float(), gate.float(), up.float()
     sig = torch.sigmoid(g)
     dg, du = (dh * u * sig * (1 + g * (1 - sig))).to(gate.dtype), (dh * g * sig).to(up.dtype)
     if grad_h_is_scratch and grad_h.dtype == gate.dtype:
         dg = grad_h.copy_(dg)
+    if out_up is not None:
+        du = out_up.copy_(du)
     return dg, du
 
 

@@ -192,6 +192,33 @@ def test_window_alignment_and_refusals():
             dequantize_window(weight, torch.float32, rows, columns)
 
 
+@pytest.mark.parametrize("dtype", OUT_DTYPES, ids=str)
+@pytest.mark.parametrize("kind,shape,windows", WINDOW_CASES, ids=lambda v: str(v)[:24])
+def test_windows_into_strided_rows(kind, shape, windows, dtype):
+    """A window (or the whole weight) written into the first columns of a wider matrix (the fused LoRA MLP puts the
+    adapter factors in the others): the same bits, and the other columns untouched."""
+    weight, _, _ = quantize(torch.randn(shape, device=DEVICE), kind)
+    whole = dequantize_oracle(weight, dtype)
+    for rows, columns in windows + [((0, shape[0]), (0, shape[1]))]:
+        n, k = rows[1] - rows[0], columns[1] - columns[0]
+        wide = torch.full((n, k + 24), float("nan"), dtype=dtype, device=DEVICE)
+        out = dequantize_window(weight, dtype, rows, columns, out=wide[:, :k])
+        assert out.data_ptr() == wide.data_ptr()
+        assert torch.equal(wide[:, :k], whole[rows[0] : rows[1], columns[0] : columns[1]]), (rows, columns)
+        assert wide[:, k:].isnan().all(), (rows, columns)
+
+
+def test_strided_out_refusals():
+    ragged, _, _ = make_4bit((4, 96), blocksize=64)  # rows of 1.5 blocks: a tile may straddle two output rows
+    with pytest.raises(ValueError, match="whole absmax blocks"):
+        dequantize_4bit(ragged, torch.float32, out=torch.empty(4, 128, device=DEVICE)[:, :96])
+    nf4, _, _ = make_4bit((4, 128), blocksize=64)
+    with pytest.raises(ValueError, match="unit column stride"):
+        dequantize_4bit(nf4, torch.float32, out=torch.empty(128, 4, device=DEVICE).t())
+    with pytest.raises(ValueError, match=r"`out` must be a \(4, 128\)"):
+        dequantize_4bit(nf4, torch.float32, out=torch.empty(4, 64, device=DEVICE))
+
+
 def _replace(weight: Packed4bit, **changes) -> Packed4bit:
     return dataclasses.replace(weight, **changes)
 

@@ -59,6 +59,31 @@ def test_backward_into_its_gradient_matches_the_twin(force_triton, dtype, atol, 
     assert dg.dtype == dtype and dg.data_ptr() != other.data_ptr()
 
 
+@pytest.mark.parametrize("dtype, atol, rtol", ELEMENTWISE_CASES)
+def test_kernels_read_and_write_columns_of_wider_matrices(force_triton, dtype, atol, rtol):
+    """The fused LoRA MLP's layout: gate and up side by side in one matrix, h written into the first columns of
+    another, d gate over d h and d up beside it; kernel and twin alike, the other columns untouched."""
+    swiglu = kernels.load().swiglu
+    rows, cols = 5, 300
+    gu = (torch.randn(rows, 2 * cols + 7) * 3).to(dtype)
+    gate, up = gu[:, :cols], gu[:, cols : 2 * cols]
+    for silu_mul, backward in ((swiglu.silu_mul, swiglu.silu_mul_backward),
+                               (silu_mul_ref, silu_mul_backward_ref)):  # fmt: skip
+        wide = torch.full((rows, cols + 16), float("nan"), dtype=dtype)
+        h = silu_mul(gate, up, out=wide[:, :cols])
+        assert h.data_ptr() == wide.data_ptr() and wide[:, cols:].isnan().all()
+        torch.testing.assert_close(h, silu_mul_ref(gate.contiguous(), up.contiguous()), atol=atol, rtol=rtol)
+        grad = torch.randn(rows, cols).to(dtype)
+        d = torch.full((rows, 2 * cols + 16), float("nan"), dtype=dtype)
+        d[:, :cols] = grad
+        dg, du = backward(d[:, :cols], gate, up, grad_h_is_scratch=True, out_up=d[:, cols : 2 * cols])
+        assert dg.data_ptr() == d.data_ptr() and du.data_ptr() == d[:, cols:].data_ptr()
+        dg_ref, du_ref = silu_mul_backward_ref(grad, gate.contiguous(), up.contiguous())
+        torch.testing.assert_close(d[:, :cols], dg_ref, atol=atol, rtol=rtol)
+        torch.testing.assert_close(d[:, cols : 2 * cols], du_ref, atol=atol, rtol=rtol)
+        assert d[:, 2 * cols :].isnan().all()
+
+
 def test_backward_twin_is_autograd_of_the_forward_twin():
     gate, up = torch.randn(64, dtype=torch.float64, requires_grad=True), torch.randn(64, dtype=torch.float64)
     up.requires_grad_()

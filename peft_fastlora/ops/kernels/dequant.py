@@ -48,7 +48,8 @@ def _dequant_4bit_kernel(
     nested_code_ptr,  # fp32 (256,)            (NESTED only)
     nested_absmax_ptr,  # fp32 (n_blocks / NESTED_BLOCKSIZE,)  (NESTED only)
     offset_ptr,  # fp32 ()                   (NESTED only)
-    out_ptr,  # (n_elements,) in the output dtype
+    out_ptr,  # (n_elements,) in the output dtype, or rows of 2 * window_bytes elements every out_stride (STRIDED_OUT)
+    out_stride,  # STRIDED_OUT: elements from one output row to the next
     n_elements,  # of the output
     n_bytes,  # packed bytes the output is made of
     window_bytes,  # WINDOWED: packed bytes per row of the output (its columns / 2)
@@ -61,6 +62,7 @@ def _dequant_4bit_kernel(
     COLS: tl.constexpr,  # absmax block, so one scale is loaded per row instead of per byte
     WINDOWED: tl.constexpr,  # the output is a window of rows x whole absmax blocks of the weight, not all of it
     INTERPRET: tl.constexpr,
+    STRIDED_OUT: tl.constexpr,  # output rows are out_stride apart (rows of whole absmax blocks only)
 ):
     pid = tl.program_id(0).to(tl.int64)
     first_byte = pid * (ROWS * COLS)
@@ -78,8 +80,14 @@ def _dequant_4bit_kernel(
     out_ty = out_ptr.dtype.element_ty
     high, low = decode_nibbles(packed, code_ptr)
     values = tl.interleave(round_to(high * scale, out_ty, INTERPRET), round_to(low * scale, out_ty, INTERPRET))
-    offs_o = 2 * row_start[:, None] + tl.arange(0, 2 * COLS)[None, :]
-    tl.store(out_ptr + offs_o, values, mask=offs_o < n_elements)
+    elems = 2 * row_start[:, None] + tl.arange(0, 2 * COLS)[None, :]  # in the output's row-major numbering
+    if STRIDED_OUT:  # a tile row lies inside one output row (whole absmax blocks), so it is one run there too
+        row_len = 2 * window_bytes
+        first = 2 * row_start
+        offs_o = ((first // row_len) * out_stride + first % row_len)[:, None] + tl.arange(0, 2 * COLS)[None, :]
+    else:
+        offs_o = elems
+    tl.store(out_ptr + offs_o, values, mask=elems < n_elements)
 
 
 @triton.jit
@@ -87,6 +95,7 @@ def _dequant_int8_kernel(
     cb_ptr,  # int8 (N, K), row-major
     scb_ptr,  # fp32 (N,)
     out_ptr,  # (rows_out, cols_out): the window of the weight starting at (row0, col0)
+    out_stride,  # elements from one output row to the next (cols_out when contiguous)
     rows_out,
     K,
     cols_out,
@@ -103,7 +112,7 @@ def _dequant_int8_kernel(
     scb = tl.load(scb_ptr + row0 + offs_n, mask=offs_n < rows_out, other=0.0)
     # (cb * scb) * (1/127) in this order, like the reference and bitsandbytes.
     values = cb * scb[:, None] * INV_127
-    offs = offs_n[:, None] * cols_out + offs_k[None, :]
+    offs = offs_n[:, None] * out_stride + offs_k[None, :]
     tl.store(out_ptr + offs, round_to(values, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
@@ -120,7 +129,8 @@ def nested_args(weight: Packed4bit) -> tuple:
 
 
 class DequantArgs(NamedTuple):
-    """One dequant launch, all but its output: kernel arguments before and after ``out_ptr``, grid and options."""
+    """One dequant launch, all but its output: kernel arguments before ``out_ptr`` and after its row stride, grid
+    and options; ``strided_flag``: the 4-bit kernel takes a last constexpr saying whether rows are strided."""
 
     kernel: object
     device: torch.device
@@ -128,6 +138,7 @@ class DequantArgs(NamedTuple):
     before_out: tuple
     after_out: tuple
     options: dict
+    strided_flag: bool = False
 
 
 # A window of the weight: ((first row, end row), (first column, end column)); None is the whole weight.
@@ -154,7 +165,8 @@ def _args_4bit(weight: Packed4bit, dtype: torch.dtype, block_bytes: Optional[int
     after = (n, n_bytes, *bytes_, half_block, weight.nested, nested_blocksize, block_bytes // cols, cols,
              window is not None, interpret)  # fmt: skip
     options = dict(num_warps=num_warps, enable_fp_fusion=False)
-    return DequantArgs(_dequant_4bit_kernel, data.device, (cdiv(n_bytes, block_bytes),), before, after, options)
+    grid = (cdiv(n_bytes, block_bytes),)
+    return DequantArgs(_dequant_4bit_kernel, data.device, grid, before, after, options, strided_flag=True)
 
 
 def _args_int8(weight: Int8Rowwise, dtype: torch.dtype, window: Window = None) -> DequantArgs:
@@ -169,12 +181,37 @@ def _args_int8(weight: Int8Rowwise, dtype: torch.dtype, window: Window = None) -
     return DequantArgs(_dequant_int8_kernel, weight.device, grid, (weight.cb, weight.scb), after, options)
 
 
-def _run(args: DequantArgs, shape: tuple, dtype: torch.dtype, out: Optional[torch.Tensor]) -> torch.Tensor:
+def check_out(out: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device, strided_ok: bool) -> bool:
+    """Checks a caller's ``out`` for a ``shape`` output; returns whether its rows are strided (a row-major view
+    whose rows are further apart than their length, e.g. the first columns of a wider matrix)."""
+    if out.shape != torch.Size(shape) or out.dtype != dtype or out.device != device:
+        raise ValueError(f"`out` must be a {tuple(shape)} {dtype} tensor on {device}, got {tuple(out.shape)} "
+                         f"{out.dtype} on {out.device}.")  # fmt: skip
+    rows, cols = shape
+    if out.is_contiguous():
+        return False
+    if out.stride(1) != 1 or out.stride(0) < cols:
+        raise ValueError(f"`out` must be row-major (unit column stride, row stride >= {cols}), got strides "
+                         f"{out.stride()}; pass a contiguous tensor or the first columns of one.")  # fmt: skip
+    if not strided_ok:
+        raise ValueError("`out` with strided rows needs a weight whose rows are whole absmax blocks "
+                         "(in_features % blocksize == 0); pass a contiguous `out`.")  # fmt: skip
+    return True
+
+
+def _run(args: DequantArgs, shape: tuple, dtype: torch.dtype, out: Optional[torch.Tensor],
+         strided_ok: bool = True) -> torch.Tensor:  # fmt: skip
     """Allocates the output (unless given) and launches into it; an empty weight launches nothing."""
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=args.device)
+        strided = False
+    else:
+        strided = check_out(out, shape, dtype, args.device, strided_ok)
     if out.numel():
-        launch(args.kernel, args.grid, args.before_out + (out,) + args.after_out, args.device, **args.options)
+        stride = out.stride(0) if out.dim() == 2 else shape[-1]
+        flag = (strided,) if args.strided_flag else ()
+        launch(args.kernel, args.grid, args.before_out + (out, stride) + args.after_out + flag, args.device,
+               **args.options)  # fmt: skip
     return out
 
 
@@ -191,7 +228,8 @@ def dequantize_4bit(
     Args:
         weight ([`Packed4bit`]): The packed weight (any storage dtype, any blocksize, optionally double-quantized).
         dtype (`torch.dtype`): Output dtype: ``torch.float16``, ``torch.bfloat16`` or ``torch.float32``.
-        out (`torch.Tensor`, *optional*): Contiguous ``weight.shape`` tensor of ``dtype`` on the weight's device.
+        out (`torch.Tensor`, *optional*): A ``weight.shape`` tensor of ``dtype`` on the weight's device: contiguous,
+            or (rows of whole absmax blocks only) row-major with rows further apart, e.g. ``wide[:, :in_features]``.
         block_bytes, num_warps: An explicit tiling (tests and benchmarks); by default the memoized one.
 
     Returns:
@@ -201,11 +239,12 @@ def dequantize_4bit(
         args = memo(weight, ("dequant", dtype), lambda: _args_4bit(weight, dtype, None, num_warps))
     else:
         args = _args_4bit(weight, dtype, block_bytes, num_warps)
-    return _run(args, weight.shape, dtype, out)
+    return _run(args, weight.shape, dtype, out, strided_ok=column_alignment(weight) > 0)
 
 
 def dequantize_int8(weight: Int8Rowwise, dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Dequantizes a checked row-scaled int8 weight (``cb * scb[:, None] / 127``), bit-exact with the reference."""
+    """Dequantizes a checked row-scaled int8 weight (``cb * scb[:, None] / 127``), bit-exact with the reference;
+    ``out`` as for [`dequantize_4bit`] (any int8 weight may write strided rows)."""
     args = memo(weight, ("dequant", dtype), lambda: _args_int8(weight, dtype))
     return _run(args, weight.shape, dtype, out)
 
@@ -220,16 +259,23 @@ def column_alignment(weight: QuantizedWeight) -> int:
 
 
 def dequantize_window(
-    weight: QuantizedWeight, dtype: torch.dtype, rows: tuple[int, int], columns: tuple[int, int]
+    weight: QuantizedWeight,
+    dtype: torch.dtype,
+    rows: tuple[int, int],
+    columns: tuple[int, int],
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Rows ``[rows[0], rows[1])`` x columns ``[columns[0], columns[1])`` of the dequantized weight, as a contiguous
-    tensor, bit-exact with ``dequantize_ref(weight, dtype)[r0:r1, c0:c1]``; the rest of the weight is never made.
+    """Rows ``[rows[0], rows[1])`` x columns ``[columns[0], columns[1])`` of the dequantized weight, bit-exact with
+    ``dequantize_ref(weight, dtype)[r0:r1, c0:c1]``; the rest of the weight is never made.
 
     Args:
         weight: A checked 4-bit or int8 weight (4-bit: rows of whole absmax blocks, see [`column_alignment`]).
         dtype (`torch.dtype`): Output dtype.
         rows (`tuple[int, int]`): ``0 <= r0 < r1 <= out_features``.
         columns (`tuple[int, int]`): ``0 <= c0 < c1 <= in_features``, multiples of ``column_alignment(weight)``.
+        out (`torch.Tensor`, *optional*): Where to write the window: contiguous, or row-major with rows further
+            apart (a view of the first columns of a wider matrix, which the fused MLP fills with its LoRA factors).
+            By default a new contiguous tensor.
     """
     (row0, row1), (col0, col1) = rows, columns
     n_rows, n_cols = weight.shape
@@ -243,12 +289,12 @@ def dequantize_window(
         )
     window = ((row0, row1), (col0, col1))
     if window == ((0, n_rows), (0, n_cols)):
-        return dequantize_triton(weight, dtype)
+        return dequantize_triton(weight, dtype, out)
     if isinstance(weight, Int8Rowwise):
         build = functools.partial(_args_int8, weight, dtype, window)
     else:
         build = functools.partial(_args_4bit, weight, dtype, None, NUM_WARPS_4BIT, window)
-    return _run(memo(weight, ("dequant", dtype, window), build), (row1 - row0, col1 - col0), dtype, None)
+    return _run(memo(weight, ("dequant", dtype, window), build), (row1 - row0, col1 - col0), dtype, out)
 
 
 def dequantize_triton(weight: QuantizedWeight, dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
