@@ -18,6 +18,7 @@ from .fast_path import FastPathReport, enable_fast_path
 from .generation import compile_for_generation, restore_eager_generation
 from .graphed_decode import graphed_generate
 from .graphed_step import GraphedTrainStep
+from .graphed_trainer import RecordedSteps, record_trainer_steps
 from .guard import overflow_report
 from .layer import FastLoraLayer
 from .model import FastLoraModel
@@ -42,6 +43,7 @@ __all__ = [
     "FastLoraModel",
     "FastPathReport",
     "GraphedTrainStep",
+    "RecordedSteps",
     "compile_for_generation",
     "enable_fast_path",
     "export_lora",
@@ -49,6 +51,7 @@ __all__ = [
     "load_lora_as_fastlora",
     "overflow_report",
     "prepare_for_fsdp",
+    "record_trainer_steps",
     "resolve_adapter_dtype",
     "restore_eager_generation",
 ]

@@ -353,6 +353,10 @@ def test_gpu_only_scripts_explain_themselves_on_cpu(tmp_path):
     proc = subprocess.run([sys.executable, "benchmarks/probe_small_m.py", "--out", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=TIMEOUT_S, env=_env())  # fmt: skip
     assert proc.returncode == 2 and "needs a GPU" in proc.stdout, proc.stdout + proc.stderr
+    assert "record_trainer_steps" in run_python(["benchmarks/bench_trainer_step.py", "--help"], tmp_path)
+    proc = subprocess.run([sys.executable, "benchmarks/bench_trainer_step.py", "--out", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=TIMEOUT_S, env=_env())  # fmt: skip
+    assert proc.returncode == 2 and "needs a GPU" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_run_gpu_sh_syntax_and_usage(tmp_path):
