@@ -255,6 +255,20 @@ def test_heuristic_tiles_any_row_count_on_a_gpu(monkeypatch):
     assert small_m.heuristic_config(1, 4096, 4096, cuda, "int8").num_warps == 4
 
 
+@pytest.mark.parametrize("n,k,split", [(4096, 4096, 8), (4096, 14336, 7), (14336, 4096, 2), (2048, 8192, 16),
+                                       (8192, 3072, 3), (3072, 8192, 8)])  # fmt: skip
+def test_heuristic_one_row_splits_k_into_whole_tiles_nearest_the_target(monkeypatch, n, k, split):
+    """One row: the split K runs as whole 512-wide tiles per split; of rounding the tiles per split up or down, the
+    program count nearest ~24 per SM wins: 7 wanted splits of 4096x4096's 8 tiles become 8 of one tile (what the H100
+    table has), not 4 of two; 8192x3072 keeps 3 splits of two tiles rather than 6 of one."""
+    from peft_fastlora.ops.kernels import small_m
+
+    monkeypatch.setattr(small_m, "_sm_count", lambda index: 132)
+    config = small_m.heuristic_config(1, n, k, torch.device("cuda", 0))
+    assert config.split_k == split
+    assert small_m.small_m_grid(1, n, k, config, None).split_k == split  # what the launch runs
+
+
 @pytest.mark.parametrize("m,block_m", [(2, 16), (16, 16), (17, 32), (32, 32), (33, 64), (64, 64), (96, 64)])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (8192, 2048), (256, 1536), (40, 192)])
 def test_heuristic_decodes_each_weight_tile_once_up_to_64_rows(monkeypatch, m, block_m, n, k):
