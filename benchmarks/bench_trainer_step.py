@@ -24,8 +24,8 @@ import _common as C
 import bench_train_step as B
 import torch
 
-COLUMNS = ["mode", "batch", "seq", "ckpt", "steps", "median_step_ms", "tokens_per_s", "peak_GiB", "replayed", "eager",
-           "recordings", "status", "error"]  # fmt: skip
+COLUMNS = ["mode", "optim", "batch", "seq", "ckpt", "steps", "median_step_ms", "tokens_per_s", "peak_GiB", "replayed",
+           "eager", "recordings", "status", "error"]  # fmt: skip
 
 
 def run_mode(args, mode: str, out: Path) -> None:
@@ -47,7 +47,8 @@ def run_mode(args, mode: str, out: Path) -> None:
     rows = []
     for batch in args.batches:
         for ckpt in args.ckpt:
-            row = dict(mode=mode, batch=batch, seq=args.seq, ckpt=ckpt, steps=args.steps, status="ok", error="")
+            row = dict(mode=mode, optim=args.optim, batch=batch, seq=args.seq, ckpt=ckpt, steps=args.steps,
+                       status="ok", error="")  # fmt: skip
             try:
                 row.update(_one(args, mode, batch, ckpt == "on", config, model_dir, device, Trainer, TrainerCallback,
                                 TrainingArguments, peft_fastlora))  # fmt: skip
@@ -81,7 +82,7 @@ def _one(args, mode, batch, ckpt, config, model_dir, device, Trainer, TrainerCal
                               max_steps=args.steps, learning_rate=1e-4, bf16=True, max_grad_norm=1.0,
                               gradient_checkpointing=ckpt, gradient_checkpointing_kwargs={"use_reentrant": False},
                               logging_steps=10**6, save_strategy="no", report_to=[], disable_tqdm=True,
-                              dataloader_drop_last=True, seed=0)  # fmt: skip
+                              dataloader_drop_last=True, seed=0, optim=args.optim)  # fmt: skip
     trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[clock])
     stats = fastlora.record_trainer_steps(trainer) if mode == "recorded" else None
     torch.cuda.reset_peak_memory_stats()
@@ -107,6 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per row")
     p.add_argument("--warmup", type=int, default=4, help="steps left out of the median (the recording is in them)")
     p.add_argument("--model-dir", default="/tmp/fastlora-bench-model")
+    p.add_argument("--optim", default="adamw_torch", help="TrainingArguments.optim (adamw_torch_fused: one kernel)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_trainer_step.py needs a GPU (CUDA graphs); nothing to measure on this machine.")
