@@ -19,7 +19,8 @@ How it stays correct:
   model changed since the recording (merge, adapter switch, parameter replaced), or gradients held elsewhere;
 - what cannot be recorded is refused before training (fp16's gradient scaler, several processes, a model not on CUDA,
   ``torch_empty_cache_steps``) or, if the recording itself fails (a host synchronisation inside the loss), the
-  Trainer goes on eagerly with one warning.
+  Trainer goes on eagerly with one warning;
+- the recording (its graph and memory pool) is freed when ``train()`` returns; a later ``train()`` records again.
 """
 
 from __future__ import annotations
@@ -240,4 +241,17 @@ def record_trainer_steps(trainer, *, warmup_steps: int = 2) -> RecordedSteps:
         raise ValueError("record_trainer_steps cannot record this Trainer's steps: " + "; ".join(problems) + ".")
     recorder = _Recorder(trainer, warmup_steps)
     trainer.training_step = recorder
+    trainer.add_callback(_release_at_train_end(recorder))
     return recorder.stats
+
+
+def _release_at_train_end(recorder: _Recorder):
+    """A callback that frees the recording (its graph and memory pool) when ``train()`` returns: evaluation or
+    generation after training get that memory back, and a later ``train()`` records again."""
+    from transformers import TrainerCallback
+
+    class ReleaseRecording(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):
+            recorder.release()
+
+    return ReleaseRecording()

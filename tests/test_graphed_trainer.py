@@ -104,6 +104,19 @@ def test_replayed_steps_train_like_the_trainer(tiny_llama_path, tmp_path, fake_g
         torch.testing.assert_close(recorded[2][name], value, atol=1e-6, rtol=1e-6, msg=name)
 
 
+def test_the_recording_is_freed_when_training_ends_and_made_again(tiny_llama_path, tmp_path, fake_graphs):
+    """``train()`` returning frees the graph and its memory; the next ``train()`` records again after its first
+    update starts (the warm-up is not repeated)."""
+    trainer = _trainer(_model(tiny_llama_path), tmp_path)
+    stats = peft_fastlora.record_trainer_steps(trainer)
+    _run(trainer)
+    recorder = trainer.training_step
+    assert stats.recordings == 1 and recorder.graph is None and recorder.grads == [] and recorder.inputs == {}
+    trainer.args.max_steps = 2 * STEPS
+    trainer.train()  # from step 0 again: 2 * STEPS updates of two micro-batches, all replayed
+    assert stats.recordings == 2 and stats.eager == 2 and stats.replayed == (2 * STEPS - 2) + 2 * (2 * STEPS)
+
+
 def test_batches_of_other_shapes_run_eagerly(tiny_llama_path, tmp_path, fake_graphs):
     """Dynamic padding: micro-batches of another length than the recording's take the Trainer's own step."""
     data = _dataset(lengths=(16, 12))  # one row per micro-batch, rows of two lengths in shuffled order
