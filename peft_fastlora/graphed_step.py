@@ -177,14 +177,14 @@ class GraphedTrainStep:
 
         # The warm-up runs with the attention the recording will use, so that whatever it compiles (Triton, compiled
         # blocks guarding on the attention implementation) is compiled before recording.
-        with _causal_attention(self.model, self._inputs):
+        with causal_attention(self.model, self._inputs):
             stream = warm_up(warm_up_steps)
             saved.restore()
             self._grads = [(p, p.grad) for p in self._params if p.grad is not None]
             torch._foreach_zero_([g for _, g in self._grads])
             self._hyper = _hyperparameters(self.optimizer)
             self._retained: list[torch.Tensor] = []  # pinned buffers of the activation offload, replayed into
-            hooks = _offload_hooks(self.model)
+            hooks = offload_hooks(self.model)
             with hooks.retaining(self._retained) if hooks is not None else contextlib.nullcontext():
                 micro = record(self._record_forward_backward, stream)
         update = record(self._record_update, stream, pool=micro.pool())
@@ -311,7 +311,7 @@ def _no_mask(*args, **kwargs) -> None:
 
 
 @contextlib.contextmanager
-def _causal_attention(model: nn.Module, inputs: dict[str, torch.Tensor]):
+def causal_attention(model: nn.Module, inputs: dict[str, torch.Tensor]):
     """Runs a transformers model whose attention is SDPA with [`_causal_sdpa`] (and no mask built) while inside, if the
     batch needs no mask beyond causality; else changes nothing."""
     hf_model = _transformers_model_or_none(model)
@@ -352,7 +352,7 @@ def _transformers_model_or_none(model: nn.Module) -> Optional[nn.Module]:
         return None
 
 
-def _offload_hooks(model: nn.Module):
+def offload_hooks(model: nn.Module):
     """The model's activation-offload hooks ([`enable_fast_path`] with ``offload_activations``), if any."""
     hf_model = _transformers_model_or_none(model)
     return (model if hf_model is None else hf_model).__dict__.get(OFFLOAD_HOOKS)

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from ._cuda_graphs import RecordedModel, record, warm_up
-from .graphed_step import _causal_attention, _offload_hooks
+from .graphed_step import causal_attention, offload_hooks
 
 
 @dataclass
@@ -163,14 +163,14 @@ class _Recorder:
 
         devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
         rng = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices])
-        with _causal_attention(model, self.inputs):
+        with causal_attention(model, self.inputs):
             stream = warm_up(step)  # real work on a side stream: leaves every gradient allocated
             torch.set_rng_state(rng[0])
             for device, state in zip(devices, rng[1]):
                 torch.cuda.set_rng_state(state, device)
             self.grads = [(p, p.grad) for p in model.parameters() if p.requires_grad and p.grad is not None]
             torch._foreach_zero_([g for _, g in self.grads])
-            hooks = _offload_hooks(model)
+            hooks = offload_hooks(model)
             self.retained = []
             with hooks.retaining(self.retained) if hooks is not None else contextlib.nullcontext():
                 self.graph = record(self._record_call(step), stream)

@@ -11,10 +11,10 @@ from peft import get_peft_model
 import peft_fastlora
 from peft_fastlora.graphed_step import (
     GraphedTrainStep,
-    _causal_attention,
     _plain_causal,
     _prepare_optimizer,
     _TrainingState,
+    causal_attention,
 )
 from tests.utils import TINY_LLAMA, fast_config, load_quantized
 
@@ -254,15 +254,15 @@ def test_causal_attention_while_recording_gives_the_same_logits(tiny_llama_path,
     calls = _sdpa_spy(monkeypatch)
     with torch.no_grad():
         expected = model(input_ids=ids).logits
-        with _causal_attention(model, {"input_ids": ids}):
+        with causal_attention(model, {"input_ids": ids}):
             assert model.config._attn_implementation != "sdpa"
             got = model(input_ids=ids).logits
         assert model.config._attn_implementation == "sdpa"
-        with _causal_attention(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}):
+        with causal_attention(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}):
             assert model.config._attn_implementation == "sdpa"  # a padding mask: left as it is
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert calls[-1][:2] == (False, True)  # inside: no mask, SDPA's own causal kernel
-    with pytest.raises(KeyError), _causal_attention(model, {"input_ids": ids}):
+    with pytest.raises(KeyError), causal_attention(model, {"input_ids": ids}):
         raise KeyError("boom")
     assert model.config._attn_implementation == "sdpa"  # put back after an error too
 
