@@ -70,8 +70,16 @@ def record(function: Callable[[], None], stream: torch.cuda.Stream, pool=None) -
     """Records ``function`` on ``stream`` (a recording runs the Python but not the kernels: the state advances only
     when the graph is replayed). Graphs replayed one after the other in recording order may share a ``pool``."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
-        function()
+    generator = torch.cuda.default_generators[stream.device.index or 0]  # what a capture registers by default
+    before = generator.clone_state()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            function()
+    except BaseException:
+        # A capture that fails never reaches the generator's capture epilogue: the device's RNG stays in capture
+        # mode and every later random op raises ("Offset increment outside graph capture"). Put its state back.
+        generator.graphsafe_set_state(before)
+        raise
     return graph
 
 

@@ -164,10 +164,16 @@ class _Recorder:
         devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
         rng = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices])
         with causal_attention(model, self.inputs):
-            stream = warm_up(step)  # real work on a side stream: leaves every gradient allocated
-            torch.set_rng_state(rng[0])
-            for device, state in zip(devices, rng[1]):
-                torch.cuda.set_rng_state(state, device)
+            try:
+                stream = warm_up(step)  # real work on a side stream: leaves every gradient allocated
+            except Exception:
+                for p in model.parameters():  # the start of an update: no gradient yet
+                    p.grad = None
+                raise
+            finally:  # the warm-up's random draws are undone
+                torch.set_rng_state(rng[0])
+                for device, state in zip(devices, rng[1]):
+                    torch.cuda.set_rng_state(state, device)
             self.grads = [(p, p.grad) for p in model.parameters() if p.requires_grad and p.grad is not None]
             torch._foreach_zero_([g for _, g in self.grads])
             hooks = offload_hooks(model)

@@ -200,3 +200,25 @@ def test_gpu_a_loss_that_syncs_with_the_host_falls_back(tiny_llama_path, tmp_pat
         recorded = _run(recording)
     assert stats.replayed == 0 and stats.disabled
     torch.testing.assert_close(recorded[0], eager[0], atol=1e-3, rtol=1e-3)
+    # the device's RNG works (a failed capture left it in capture mode before `_cuda_graphs.record` restored it)
+    torch.nn.functional.dropout(torch.randn(64, device="cuda"), 0.5)
+
+
+@pytest.mark.gpu
+def test_gpu_a_capture_that_fails_leaves_the_rng_usable():
+    """An exception inside a recording (after a random op was captured) must not leave the device's generator in
+    capture mode, where every later random op raises."""
+    from peft_fastlora._cuda_graphs import record, warm_up
+
+    def step():
+        torch.randn(16, device="cuda")
+
+    def failing():
+        step()
+        raise ValueError("boom")
+
+    stream = warm_up(step)
+    with pytest.raises(ValueError, match="boom"):
+        record(failing, stream)
+    torch.randn(16, device="cuda")
+    torch.nn.functional.dropout(torch.ones(64, device="cuda"), 0.5)
