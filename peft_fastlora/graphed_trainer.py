@@ -108,11 +108,10 @@ class _Recorder:
         if not key:
             return "the batch is not a mapping of tensors"
         model.train()  # as training_step does, before the recorded train/eval mode is compared
-        grads_free = all(p.grad is None for p, _ in self.grads) if self.graph is not None else self._grads_free(model)
         if self.graph is None:
             if self.stats.eager < self.warmup_steps:
                 return "warm-up"
-            return "record" if grads_free else "waiting for the start of an update (gradients held)"
+            return "record" if self._grads_free(model) else "waiting for the start of an update (gradients held)"
         if key != self.key:
             return "another batch shape, key set, dtype or accumulation count than the recording's"
         if not self.recorded_model.unchanged():
