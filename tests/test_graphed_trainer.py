@@ -88,12 +88,22 @@ def _run(trainer):
     return losses, norms, adapters
 
 
-def test_replayed_steps_train_like_the_trainer(tiny_llama_path, tmp_path, fake_graphs):
-    """Two micro-batches per update, clipping, AdamW: after two eager warm-up micro-batches the step is recorded at
-    the start of an update and replayed for every later micro-batch; losses, gradient norms and the trained adapters
-    are the Trainer's own."""
-    eager = _run(_trainer(_model(tiny_llama_path), tmp_path / "eager"))
-    trainer = _trainer(_model(tiny_llama_path), tmp_path / "recorded")
+@pytest.mark.parametrize("fast_path, ckpt", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "fast-path", "fast-path-checkpointing"])  # fmt: skip
+def test_replayed_steps_train_like_the_trainer(tiny_llama_path, tmp_path, fake_graphs, fast_path, ckpt):
+    """Two micro-batches per update, clipping, AdamW (with the fast path's fused loss and MLP, and with gradient
+    checkpointing): after two eager warm-up micro-batches the step is recorded at the start of an update and replayed
+    for every later micro-batch; losses, gradient norms and the trained adapters are the Trainer's own."""
+
+    def model():
+        made = _model(tiny_llama_path)
+        if fast_path:
+            peft_fastlora.enable_fast_path(made, liger=False)
+        return made
+
+    options = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}) if ckpt else {}
+    eager = _run(_trainer(model(), tmp_path / "eager", **options))
+    trainer = _trainer(model(), tmp_path / "recorded", **options)
     stats = peft_fastlora.record_trainer_steps(trainer)
     recorded = _run(trainer)
     assert stats.recordings == 1 and fake_graphs == {"warm_up": 1, "record": 1}
