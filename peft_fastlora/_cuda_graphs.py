@@ -55,6 +55,21 @@ class RecordedModel:
                 and self._adapter_state() == self.adapter_state)  # fmt: skip
 
 
+class RngState:
+    """The CPU generator's state and that of each given CUDA device's default generator, to put back after work that
+    must not count (the warm-up before a recording)."""
+
+    def __init__(self, devices: list[int]) -> None:
+        self.devices = devices
+        self.cpu = torch.get_rng_state()
+        self.cuda = [torch.cuda.get_rng_state(d) for d in devices]
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        for device, state in zip(self.devices, self.cuda):
+            torch.cuda.set_rng_state(state, device)
+
+
 def warm_up(function: Callable[[], None]) -> torch.cuda.Stream:
     """Runs ``function`` (real work: Triton compiles, cuBLAS sets up the stream's workspace, Inductor compiles) on a
     new side stream and makes the current stream wait for it; returns that stream, to record on."""

@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ._cuda_graphs import RecordedModel, record, warm_up
+from ._cuda_graphs import RecordedModel, RngState, record, warm_up
 from .fast_path import OFFLOAD_HOOKS, transformers_model
 
 # Adam and AdamW can run their update inside a CUDA graph (``capturable=True``, or ``fused=True``) with their step
@@ -378,9 +378,7 @@ class _TrainingState:
         self.params = [(p, _host_copy(p)) for p in params]
         self.state = {p: {k: _host_copy(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                       for p, s in optimizer.state.items()}  # fmt: skip
-        self.devices = sorted({p.device.index or 0 for p in params if p.is_cuda})
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = [torch.cuda.get_rng_state(d) for d in self.devices]
+        self.rng = RngState(sorted({p.device.index or 0 for p in params if p.is_cuda}))
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -395,6 +393,4 @@ class _TrainingState:
                         value.copy_(before[key])
                     else:
                         value.zero_()
-        torch.set_rng_state(self.cpu_rng)
-        for device, rng in zip(self.devices, self.cuda_rng):
-            torch.cuda.set_rng_state(rng, device)
+        self.rng.restore()

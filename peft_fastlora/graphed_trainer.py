@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from ._cuda_graphs import RecordedModel, record, warm_up
+from ._cuda_graphs import RecordedModel, RngState, record, warm_up
 from .graphed_step import causal_attention, offload_hooks
 
 
@@ -67,7 +67,6 @@ class _Recorder:
         self.inputs: dict[str, torch.Tensor] = {}
         self.num_items: Optional[torch.Tensor] = None
         self.key: tuple = ()
-        self.model = None
         self.recorded_model: Optional[RecordedModel] = None
         self.grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self.loss: Optional[torch.Tensor] = None
@@ -150,7 +149,6 @@ class _Recorder:
 
     def _record(self, model, inputs, num_items_in_batch) -> torch.Tensor:
         self.key = self._key(model, inputs, num_items_in_batch)
-        self.model = model
         self.inputs = {k: v.detach().clone() for k, v in inputs.items()}
         self.num_items = None
         if num_items_in_batch is not None:  # a device tensor, refilled per call (the model divides by it)
@@ -160,8 +158,7 @@ class _Recorder:
         def step():
             return self.original(model, self.inputs, self.num_items)
 
-        devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
-        rng = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices])
+        rng = RngState(sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda}))
         with causal_attention(model, self.inputs):
             try:
                 stream = warm_up(step)  # real work on a side stream: leaves every gradient allocated
@@ -170,9 +167,7 @@ class _Recorder:
                     p.grad = None
                 raise
             finally:  # the warm-up's random draws are undone
-                torch.set_rng_state(rng[0])
-                for device, state in zip(devices, rng[1]):
-                    torch.cuda.set_rng_state(state, device)
+                rng.restore()
             self.grads = [(p, p.grad) for p in model.parameters() if p.requires_grad and p.grad is not None]
             torch._foreach_zero_([g for _, g in self.grads])
             hooks = offload_hooks(model)

@@ -208,9 +208,8 @@ def _run(args: DequantArgs, shape: tuple, dtype: torch.dtype, out: Optional[torc
     else:
         strided = check_out(out, shape, dtype, args.device, strided_ok)
     if out.numel():
-        stride = out.stride(0) if out.dim() == 2 else shape[-1]
         flag = (strided,) if args.strided_flag else ()
-        launch(args.kernel, args.grid, args.before_out + (out, stride) + args.after_out + flag, args.device,
+        launch(args.kernel, args.grid, args.before_out + (out, out.stride(0)) + args.after_out + flag, args.device,
                **args.options)  # fmt: skip
     return out
 

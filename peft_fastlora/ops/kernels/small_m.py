@@ -113,14 +113,14 @@ def heuristic_config(m: int, n: int, k: int, device: torch.device, kind: str = "
         return SmallMConfig(use_dot=m > 1, block_n=block_n, block_k=block_k, block_m=block_m)
     tiles = max(1, cdiv(n, block_n) * cdiv(m, block_m))  # zero rows: a call that launches nothing
     k_tiles = cdiv(k, block_k)
-    split_k = max(1, min(cdiv(per_sm * _sm_count(device.index or 0), tiles), k_tiles, 16))
+    target = per_sm * _sm_count(device.index or 0)  # programs
+    split_k = max(1, min(cdiv(target, tiles), k_tiles, 16))
     if m == 1:
         # The launcher gives each split cdiv(k_tiles, split_k) whole tiles, so a wanted split runs as fewer: 7 of
         # 4096x4096's 8 tiles ran as 4 splits of two. Of the split with that rounding and the one rounding the tiles
         # per split down instead, take the one whose program count is nearest the target (H100, nf4, one row: 8
         # splits there and on 2048x8192's 16 tiles 1.09x / 1.10x faster; rounding down everywhere was 4 % slower on
         # 8192x3072, where the nearest keeps 3 of 6).
-        target = per_sm * _sm_count(device.index or 0)
         options = {cdiv(k_tiles, cdiv(k_tiles, split_k)), min(cdiv(k_tiles, max(1, k_tiles // split_k)), 16)}
         split_k = min(options, key=lambda s: (abs(math.log2(tiles * s / target)), -s))
     return SmallMConfig(
