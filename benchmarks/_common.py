@@ -168,9 +168,10 @@ def internals() -> SimpleNamespace:
         pick_small_m_config: ``(m, n, k, device, kind) -> SmallMConfig``, the tiling the dispatcher would launch.
         launch_cache_size: ``() -> int``, compiled kernels in the launch cache.
         launch_hooks_set: ``() -> bool``, whether Triton launch hooks are set (they slow every launch).
+        lowrank_add: ``(out, a, b, scaling) -> out``, the Triton ``out += scaling * a @ b.T`` in place.
     """
     from peft_fastlora.bnb import int8_from_bnb, packed4bit_from_bnb
-    from peft_fastlora.ops.kernels import launch, small_m
+    from peft_fastlora.ops.kernels import launch, load, small_m
 
     return SimpleNamespace(
         packed4bit_from_bnb=packed4bit_from_bnb,
@@ -179,6 +180,7 @@ def internals() -> SimpleNamespace:
         pick_small_m_config=small_m.pick_config,
         launch_cache_size=lambda: len(launch._compiled),
         launch_hooks_set=launch._launch_hooks_set,
+        lowrank_add=load().lowrank.lowrank_add_,
     )
 
 

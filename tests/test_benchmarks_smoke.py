@@ -341,6 +341,19 @@ def test_failing_provider_becomes_error_row(tmp_path):
     assert [r["provider"] for r in gen_rows] == ["bf16-lora", "fastlora-nf4"]
 
 
+def test_bench_lowrank_tiny_cpu(tmp_path):
+    """bench_lowrank.py on the interpreter: one row per case and implementation, the kernel agreeing with cuBLAS."""
+    run_python(["benchmarks/bench_lowrank.py", "--device", "cpu", "--tiny", "--out", str(tmp_path)], tmp_path)
+    header, columns, rows = read(tmp_path / "lowrank.csv")
+    check_header(header)
+    assert {"case", "impl", "time_ms", "GBps", "speedup_vs_cublas"} <= set(columns)
+    assert len(rows) == 2 * 2 * 2 * 3  # M x N x case x (copy, cuBLAS, Triton)
+    for row in rows:
+        assert float(row["time_ms"]) > 0
+        if row["impl"] == "triton":
+            assert float(row["max_abs_diff"]) <= 0.07, row  # bf16 rounding of O(1) values, one ulp at most
+
+
 def test_gpu_only_scripts_explain_themselves_on_cpu(tmp_path):
     """host_overhead.py measures CUDA launch overhead: on CPU it prints why it cannot run and exits 2; --help works."""
     assert "Host (CPU) time per layer call" in run_python(["benchmarks/host_overhead.py", "--help"], tmp_path)

@@ -42,11 +42,11 @@ class CountOps(TorchDispatchMode):
 
 @pytest.fixture
 def triton_launches(monkeypatch, request):
-    """Counts Triton launches of the fused decode and dequant kernels instead of running them."""
+    """Counts Triton launches of the fused decode, dequant and low-rank update kernels instead of running them."""
     request.getfixturevalue("force_triton")
     calls = []
     loaded = kernels.load()
-    for module in (loaded.small_m, loaded.dequant):
+    for module in (loaded.small_m, loaded.dequant, loaded.lowrank):
         monkeypatch.setattr(module, "launch", lambda kernel, *a, **k: calls.append(kernel.__name__))
     return calls
 
@@ -92,10 +92,11 @@ def test_fastlora_layer_launch_budget(tiny_llama_path, triton_launches):
     _train(layer, x)  # warm the plans for the backward dtype too
     triton_launches.clear()
     train = _train(layer, x)
-    # Forward: dequant, x @ W.T, x @ A.T, += xa @ B.T. Backward: g @ B and dB (scaling in cuBLAS alpha), dA, dequant,
-    # g @ W, += t @ A. Plus the ones_like of this test's grad_outputs.
-    assert triton_launches == ["_dequant_4bit_kernel", "_dequant_4bit_kernel"], triton_launches
-    assert train.launches() == 9 and sum(train.ops.values()) <= 24, dict(train.ops)
+    # Forward: dequant, x @ W.T, x @ A.T, += xa @ B.T (Triton). Backward: g @ B and dB (scaling in cuBLAS alpha), dA,
+    # dequant, g @ W, += t @ A (Triton). Plus the ones_like of this test's grad_outputs.
+    assert triton_launches == ["_dequant_4bit_kernel", "_lowrank_add_kernel", "_dequant_4bit_kernel",
+                               "_lowrank_add_kernel"], triton_launches  # fmt: skip
+    assert train.launches() == 7 and sum(train.ops.values()) <= 22, dict(train.ops)
 
 
 def test_fastlora_needs_fewer_launches_than_peft_lora_on_bf16(tiny_llama_path, triton_launches):

@@ -2,10 +2,11 @@
 ``y = down(silu(gate(x)) * up(x))``, each projection ``p(v) = v @ dequant(W).T + s * (v @ A.T) @ B.T``.
 
 Why: apart from its matmuls with W, a LoRA projection on ``M`` tokens costs passes over activations. Unfused
-(``lora_linear``), each projection adds its low-rank term in place (``y.addmm_(xa, B.T)``: reads and writes the
+(``lora_linear``), each projection adds its low-rank term in place (``y += s xa @ B.T``: reads and writes the
 ``(M, out_features)`` output once more), and each backward adds ``t @ A`` into ``dx`` in place; autograd then sums the
 gate's and the up projection's ``dx``. At 8,192 tokens of a Llama-3-8B layer those passes took ~1 ms of a ~16 ms
-layer step on an H100 (in-place adds at ~1.9 TB/s). Here the low-rank term rides in the base matmul, concatenated
+layer step on an H100 (in-place adds at ~1.9 TB/s with cuBLAS' ``addmm_``; ``kernels/lowrank.py`` now runs them at a
+copy's speed). Here the low-rank term rides in the base matmul, concatenated
 along its reduction dimension:
 
     v @ W.T + s (v @ A.T) @ B.T  =  [v | s v @ A.T] @ [W | B].T          (forward: K grows by r)

@@ -103,6 +103,12 @@ def lora_linear_ref(
     return out
 
 
+def lowrank_add_ref(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``out += scaling * a @ b.T`` in place, fp32 math with one rounding to ``out.dtype`` (twin of
+    ``kernels.lowrank.lowrank_add_``); returns ``out``."""
+    return out.copy_(torch.addmm(out.float(), a.float(), b.float().t(), alpha=scaling))
+
+
 def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``silu(gate) * up`` in ``gate.dtype``, math in fp32 with one rounding, into ``out`` when given (twin of
     ``kernels.swiglu.silu_mul``)."""

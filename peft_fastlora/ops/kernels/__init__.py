@@ -6,6 +6,7 @@
 - ``small_m_kernel.py`` / ``small_m_lora.py`` / ``small_m.py``: the fused small-M (decode) kernel, its LoRA half
   (``xa`` in chunks, the epilogue) and its launcher;
 - ``swiglu.py``: ``silu(gate) * up`` and its backward (the fused MLP down projection's elementwise half);
+- ``lowrank.py``: ``out += scaling * a @ b.T`` in place (LoRA's term added into an output or an input grad);
 - ``cross_entropy.py``: cross-entropy of a chunk of logits, its gradient written over them (the fused loss's half);
 - ``tuning.py``: the small-M tuning table (no Triton).
 
@@ -24,11 +25,11 @@ _loaded = False
 
 
 def load() -> ModuleType:
-    """Imports the kernels on first use and returns this package, with ``dequant``, ``small_m``, ``swiglu`` and
-    ``cross_entropy`` loaded."""
+    """Imports the kernels on first use and returns this package, with ``dequant``, ``small_m``, ``swiglu``,
+    ``lowrank`` and ``cross_entropy`` loaded."""
     global _loaded
     if not _loaded:
-        from . import cross_entropy, dequant, small_m, swiglu  # noqa: F401
+        from . import cross_entropy, dequant, lowrank, small_m, swiglu  # noqa: F401
 
         _loaded = True
     return sys.modules[__name__]

@@ -1,0 +1,84 @@
+"""The LoRA term added in place, ``out += scaling * a @ b.T`` (r = 16): cuBLAS' ``addmm_`` against the Triton pass
+the training path uses (``ops/kernels/lowrank.py``), with a device-to-device copy of ``out`` as the bandwidth line.
+
+    python benchmarks/bench_lowrank.py [--out DIR]
+
+Cases: forward (``y += s xa @ B.T``, B an (N, r) matrix) and the input grad (``dx += t @ A``, A.T a strided view) at
+the token counts of a batch-1 and a batch-4 step (2,048 / 8,192) and Llama-3-8B's output widths. GB/s counts ``out``
+read + written; times are medians of ``triton.testing.do_bench`` (L2 flushed per call). Writes lowrank.csv.
+
+GPU:   python benchmarks/bench_lowrank.py --out benchmarks/results
+CI:    python benchmarks/bench_lowrank.py --device cpu --tiny --out /tmp/x   (the Triton interpreter)
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import _common as C
+import torch
+
+MS = [2048, 8192]
+NS = [1024, 4096, 14336]
+TINY = ([16, 40], [32, 72])
+RANK = 16
+COLUMNS = ["case", "M", "N", "r", "impl", "time_ms", "GBps", "pct_copy", "speedup_vs_cublas", "max_abs_diff"]
+
+
+def cases(m: int, n: int, device: torch.device):
+    """``(case, out, a, b)``: b is (N, r), a matrix for the forward and A.T (strided) for the input grad."""
+    gen = torch.Generator(device=device).manual_seed(m * 7 + n)
+    out = torch.randn(m, n, device=device, generator=gen).to(torch.bfloat16)
+    a = torch.randn(m, RANK, device=device, generator=gen).to(torch.bfloat16)
+    b = (torch.randn(n, RANK, device=device, generator=gen) / RANK**0.5).to(torch.bfloat16)
+    at = (torch.randn(RANK, n, device=device, generator=gen) / n**0.5).to(torch.bfloat16).t()
+    return [("forward y += s xa @ B.T", out, a, b, 2.0), ("input grad dx += t @ A", out, a, at, 1.0)]
+
+
+def time_case(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float, lowrank_add, device) -> dict:
+    """Milliseconds per call of a copy of ``out``, cuBLAS' ``addmm_`` and the Triton pass (all into a scratch copy)."""
+    work, spare = out.clone(), torch.empty_like(out)
+    timed = {
+        "copy": lambda: spare.copy_(work),
+        "cublas addmm_": lambda: work.addmm_(a, b.t(), alpha=s),
+        "triton": lambda: lowrank_add(work, a, b, s),
+    }
+    return {impl: C.bench_ms(fn, device) for impl, fn in timed.items()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--tiny", action="store_true", help="small shapes (the CPU smoke run)")
+    args = p.parse_args(argv)
+    device = C.pick_device(args.device)
+    C.setup_run()
+    env = C.env_info(device)
+    C.print_header("LoRA term added in place: cuBLAS addmm_ vs the Triton pass", env)
+    lowrank_add = C.internals().lowrank_add
+    ms, ns = TINY if args.tiny else (MS, NS)
+    log = C.CsvLog(Path(args.out) / "lowrank.csv", COLUMNS, env)
+    rows = []
+    for m in ms:
+        for n in ns:
+            for case, out, a, b, s in cases(m, n, device):
+                nbytes = 2 * out.numel() * out.element_size()
+                ref = out.clone().addmm_(a, b.t(), alpha=s)
+                mine = lowrank_add(out.clone(), a, b, s)
+                diff = (mine.float() - ref.float()).abs().max().item()
+                times = time_case(out, a, b, s, lowrank_add, device)
+                for impl, ms_ in times.items():
+                    row = dict(case=case, M=m, N=n, r=RANK, impl=impl, time_ms=ms_, GBps=nbytes / ms_ / 1e6,
+                               pct_copy=100 * times["copy"] / ms_,
+                               speedup_vs_cublas=None if impl == "copy" else times["cublas addmm_"] / ms_,
+                               max_abs_diff=diff if impl == "triton" else None)  # fmt: skip
+                    rows.append(row)
+                    log.append(row)
+    C.print_table(rows, COLUMNS)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
