@@ -169,6 +169,7 @@ def internals() -> SimpleNamespace:
         launch_cache_size: ``() -> int``, compiled kernels in the launch cache.
         launch_hooks_set: ``() -> bool``, whether Triton launch hooks are set (they slow every launch).
         lowrank_add: ``(out, a, b, scaling) -> out``, the Triton ``out += scaling * a @ b.T`` in place.
+        swiglu: the SwiGLU kernels' module (``silu_mul``, ``silu_mul_backward``, ``silu_mul_backward_lora``).
     """
     from peft_fastlora.bnb import int8_from_bnb, packed4bit_from_bnb
     from peft_fastlora.ops.kernels import launch, load, small_m
@@ -181,6 +182,7 @@ def internals() -> SimpleNamespace:
         launch_cache_size=lambda: len(launch._compiled),
         launch_hooks_set=launch._launch_hooks_set,
         lowrank_add=load().lowrank.lowrank_add_,
+        swiglu=load().swiglu,
     )
 
 

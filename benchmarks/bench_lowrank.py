@@ -1,11 +1,18 @@
-"""The LoRA term added in place, ``out += scaling * a @ b.T`` (r = 16): cuBLAS' ``addmm_`` against the Triton pass
-the training path uses (``ops/kernels/lowrank.py``), with a device-to-device copy of ``out`` as the bandwidth line.
+"""LoRA's passes over activations in a training call, as the package runs them against what they replaced (r = 16).
 
     python benchmarks/bench_lowrank.py [--out DIR]
 
-Cases: forward (``y += s xa @ B.T``, B an (N, r) matrix) and the input grad (``dx += t @ A``, A.T a strided view) at
-the token counts of a batch-1 and a batch-4 step (2,048 / 8,192) and Llama-3-8B's output widths. GB/s counts ``out``
-read + written; times are medians of ``triton.testing.do_bench`` (L2 flushed per call). Writes lowrank.csv.
+- The LoRA term added in place, ``out += scaling * a @ b.T``: cuBLAS' ``addmm_`` against the Triton pass
+  (``ops/kernels/lowrank.py``), for the forward (``y += s xa @ B.T``, B an (N, r) matrix) and the input grad
+  (``dx += t @ A``, A.T a strided view), at Llama-3-8B's output widths; a device-to-device copy of ``out`` is the
+  bandwidth line. GB/s counts ``out`` read + written.
+- The fused MLP down projection's backward past its matmuls, at Llama-3-8B's intermediate size: ``h = silu(g) * u``
+  made again, ``dA = t.T @ h`` by cuBLAS and the SwiGLU backward (what ran before) against
+  ``silu_mul_backward_lora`` (one pass: dA from gate and up, h never written). GB/s counts the fused pass's bytes
+  (gate, up, dh read; d gate, d up written).
+
+Token counts of a batch-1 and a batch-4 step (2,048 / 8,192); times are medians of ``triton.testing.do_bench`` (L2
+flushed per call). Writes lowrank.csv.
 
 GPU:   python benchmarks/bench_lowrank.py --out benchmarks/results
 CI:    python benchmarks/bench_lowrank.py --device cpu --tiny --out /tmp/x   (the Triton interpreter)
@@ -21,7 +28,9 @@ import torch
 
 MS = [2048, 8192]
 NS = [1024, 4096, 14336]
+INTERMEDIATE = 14336
 TINY = ([16, 40], [32, 72])
+TINY_INTERMEDIATE = 96
 RANK = 16
 COLUMNS = ["case", "M", "N", "r", "impl", "time_ms", "GBps", "pct_copy", "speedup_vs_cublas", "max_abs_diff"]
 
@@ -45,6 +54,29 @@ def time_case(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float, low
         "triton": lambda: lowrank_add(work, a, b, s),
     }
     return {impl: C.bench_ms(fn, device) for impl, fn in timed.items()}
+
+
+def time_down_backward(m: int, inter: int, swiglu, device) -> tuple[dict, float]:
+    """Milliseconds of the down projection's SwiGLU backward with dA, made-h against fused, and the fused dA's max
+    difference from an fp32 product with h."""
+    gen = torch.Generator(device=device).manual_seed(m + inter)
+    gate, up, dh = (torch.randn(m, inter, device=device, generator=gen).to(torch.bfloat16) for _ in range(3))
+    t = torch.randn(m, RANK, device=device, generator=gen).to(torch.bfloat16)
+
+    def made_h():
+        h = swiglu.silu_mul(gate, up)
+        da = torch.mm(t.t(), h)
+        del h
+        return (*swiglu.silu_mul_backward(dh.clone(), gate, up, grad_h_is_scratch=True), da)
+
+    def fused():
+        return swiglu.silu_mul_backward_lora(dh.clone(), gate, up, t, grad_h_is_scratch=True)
+
+    exact = t.float().t() @ swiglu.silu_mul(gate, up).float()  # fp32 product with the h the forward wrote
+    diff = (fused()[2] - exact).abs().max().item()
+    clone = lambda: dh.clone()  # noqa: E731 (both cases clone dh, as scratch for d gate)
+    times = {impl: C.bench_ms(fn, device) for impl, fn in (("clone", clone), ("h made", made_h), ("fused", fused))}
+    return {k: v - times["clone"] for k, v in times.items() if k != "clone"}, diff
 
 
 def main(argv=None) -> int:
@@ -76,6 +108,15 @@ def main(argv=None) -> int:
                                max_abs_diff=diff if impl == "triton" else None)  # fmt: skip
                     rows.append(row)
                     log.append(row)
+        inter = TINY_INTERMEDIATE if args.tiny else INTERMEDIATE
+        times, diff = time_down_backward(m, inter, C.internals().swiglu, device)
+        nbytes = 5 * m * inter * 2
+        for impl, ms_ in times.items():
+            row = dict(case="down dA + SwiGLU backward", M=m, N=inter, r=RANK, impl=impl, time_ms=ms_,
+                       GBps=nbytes / ms_ / 1e6, speedup_vs_cublas=times["h made"] / ms_,
+                       max_abs_diff=diff if impl == "fused" else None)  # fmt: skip
+            rows.append(row)
+            log.append(row)
     C.print_table(rows, COLUMNS)
     return 0
 

@@ -113,13 +113,14 @@ def enable_fast_path(
             inputs in pinned CPU memory (copied on a side stream). Trades PCIe traffic for GPU memory.
         fuse_mlp (`bool` or `"all"`, defaults to `True`): In SwiGLU MLPs (``down_proj(silu(gate_proj(x)) *
             up_proj(x))``, as in Llama, Mistral, Qwen2) whose down projection is a FastLoRA layer, fuse the SwiGLU
-            into the down projection while training ([`~peft_fastlora.ops.swiglu_lora_linear`]): backward recomputes
-            ``silu(gate) * up`` instead of keeping it, one tokens x intermediate tensor less per layer (replaces
-            Liger's SwiGLU). `"all"`: when all three projections are FastLoRA layers with one plain adapter and no
-            bias, the whole MLP trains as one op ([`~peft_fastlora.ops.lora_mlp`]) whose LoRA terms are summed
-            inside the base matmuls in fp32, so that a LoRA term under half a bf16 ulp of the output (early in
-            training, B starting at zero) is not rounded away; on an H100 it runs at the speed of `True` with
-            0.04-0.12 GiB more peak memory (docs/fast-path.md). Other MLPs fall back to `True`. Eager blocks only.
+            into the down projection while training ([`~peft_fastlora.ops.swiglu_lora_linear`]): backward works
+            from ``gate`` and ``up`` instead of keeping ``silu(gate) * up``, one tokens x intermediate tensor less
+            per layer (replaces Liger's SwiGLU). `"all"`: when all three projections are FastLoRA layers with one
+            plain adapter and no bias, the whole MLP trains as one op ([`~peft_fastlora.ops.lora_mlp`]) whose LoRA
+            terms are summed inside the base matmuls in fp32, so that a LoRA term under half a bf16 ulp of the
+            output (early in training, B starting at zero) is not rounded away; on an H100 it runs at the speed of
+            `True` with 0.04-0.12 GiB more peak memory (docs/fast-path.md). Other MLPs fall back to `True`. Eager
+            blocks only.
         fused_loss (`bool`, defaults to `True`): Compute the LM head and the cross-entropy of training forwards in
             chunks of rows ([`~peft_fastlora.ops.linear_cross_entropy`]), never the whole fp32 logits. Models whose
             logits are capped or scaled, or that add a router loss, keep their own (noted in the report); naming

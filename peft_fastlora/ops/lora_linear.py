@@ -24,8 +24,7 @@ op takes it as its three fields (``weight.to_fields()``). Both wrappers save and
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
@@ -154,13 +153,14 @@ def lora_linear_backward(
     grad_xa: Optional[torch.Tensor],
     lora_a: Optional[torch.Tensor],
     lora_b: Optional[torch.Tensor],
-    lora_input: Union[torch.Tensor, Callable[[], torch.Tensor], None],
+    lora_input: Optional[torch.Tensor],
     xa: Optional[torch.Tensor],
     bias_dtype: Optional[torch.dtype],
     scaling: float,
     needs: tuple[bool, bool, bool, bool, bool],
     separate_lora_x: bool,
     weight: QuantizedWeight,
+    return_t: bool = False,
 ) -> tuple[Optional[torch.Tensor], ...]:
     """Gradients ``(dx, dbias, dA, dB, dlora_x)`` of [`lora_linear_forward`]; an entry is None when not needed.
 
@@ -171,15 +171,15 @@ def lora_linear_backward(
         grad_out (`torch.Tensor`): ``dL/dy``, shape ``(*x.shape[:-1], N)``.
         grad_xa (`torch.Tensor`, *optional*): Extra ``dL/dxa`` (M, r) when xa is itself an output (custom op).
         lora_a, lora_b (`torch.Tensor`, *optional*): The adapters (any float dtype; grads come back in it).
-        lora_input (`torch.Tensor` or callable, *optional*): The LoRA branch input (``x`` or ``lora_x``); needed for
-            dA only. A function returning it is called for dA and its result dropped before W is dequantized (the
-            fused MLP recomputes its ``h`` this way, so ``h`` and W are never alive together).
+        lora_input (`torch.Tensor`, *optional*): The LoRA branch input (``x`` or ``lora_x``); needed for dA only.
         xa (`torch.Tensor`, *optional*): ``lora_input @ A.T`` saved by the forward; needed for dB only.
         bias_dtype (`torch.dtype`, *optional*): dtype of the bias grad.
         scaling (`float`): LoRA scaling.
         needs (`tuple[bool, ...]`): Whether ``(x, bias, lora_a, lora_b, lora_x)`` need a grad; other work is skipped.
         separate_lora_x (`bool`): Whether the LoRA branch read its own ``lora_x`` (else its grad goes into dx).
         weight: The quantized base weight; dequantized again here, in ``grad_out.dtype``.
+        return_t (`bool`): Also return ``t`` (6th entry; made even if nothing here needs it), for a caller that
+            computes dA itself (the fused MLP down projection: from gate and up, without its input ``h``).
     """
     need_dx, need_dbias, need_da, need_db, need_dlx = needs
     n, k = weight.shape
@@ -189,7 +189,7 @@ def lora_linear_backward(
     if lora_a is not None:
         r = lora_a.shape[0]
         a_cast = _cast(lora_a, g.dtype)
-        if need_da or need_dlx or (need_dx and not separate_lora_x):
+        if need_da or need_dlx or return_t or (need_dx and not separate_lora_x):
             b_cast = _cast(lora_b, g.dtype)
             if grad_xa is None and xa is not None and xa.dtype == g.dtype:
                 # scaling in cuBLAS' alpha: one launch instead of mm + mul_ (beta=0: xa only lends its shape)
@@ -203,9 +203,7 @@ def lora_linear_backward(
         elif need_db:
             db = _matmul(g.t(), xa.reshape(-1, r), lora_b.dtype, alpha=scaling)
         if need_da:
-            lx = lora_input() if callable(lora_input) else lora_input
-            da = _matmul(t.t(), _cast(lx.reshape(-1, k), g.dtype), lora_a.dtype)
-            del lx
+            da = _matmul(t.t(), _cast(lora_input.reshape(-1, k), g.dtype), lora_a.dtype)
         if need_dlx and separate_lora_x:
             dlx = torch.mm(t, a_cast).view(*grad_out.shape[:-1], k)
     if need_dx:
@@ -215,7 +213,7 @@ def lora_linear_backward(
         dx = dx.view(*grad_out.shape[:-1], k)
     if need_dbias:
         dbias = g.sum(0, dtype=torch.float32).to(bias_dtype)
-    return dx, dbias, da, db, dlx
+    return (dx, dbias, da, db, dlx, t) if return_t else (dx, dbias, da, db, dlx)
 
 
 def save_for_backward(ctx, x, bias, lora_a, lora_b, scaling, lora_x, xa) -> None:

@@ -16,8 +16,8 @@ so each projection's output is written once, by cuBLAS, and the MLP's input grad
 columns are r per adapter (~0.4 % more multiply-adds at r = 16); what it costs instead is one copy of the input into
 the wider matrix (``[x | s x @ Ag.T | s x @ Au.T]``, shared by gate and up, and the down projection's input is written
 there by the SwiGLU kernel itself), one of the incoming gradient (``[g | t_d]``), and the adapter factors copied next
-to each dequantized weight window. The SwiGLU is recomputed in backward (``h`` is never kept), as in
-``swiglu_lora.py``; ``x`` is kept once, inside the wider matrix.
+to each dequantized weight window. ``h`` is never kept: backward takes ``dA_d`` from gate and up in the SwiGLU
+backward's pass, as ``swiglu_lora.py`` does; ``x`` is kept once, inside the wider matrix.
 
 Numerics: the base and the LoRA term are summed in fp32 inside one matmul and rounded once (the unfused path rounds
 the base product, then the sum); ``s * x @ A.T`` is rounded to the activation dtype, as ``xa`` is there.
@@ -190,18 +190,22 @@ def swiglu_down_backward(grad_y: torch.Tensor, gate_out: torch.Tensor, up_out: t
     gc = torch.empty(rows, k + r_d, dtype=dtype, device=grad_y.device)
     t_d = _scaled_mm_into(gc[:, k:], grad_y, _cast(down.lora_b, dtype), down.scaling)
     db_d = _lora_b_grad(grad_y, xa_d, down.lora_b) if need_db_d else None  # xa_d already carries s_d
-    da_d = None
-    if need_da_d:
-        h = swiglu.silu_mul(gate_out, up_out)  # the one use of h; gone before any weight is dequantized
-        da_d = _matmul(t_d.t(), h, down.lora_a.dtype)
-        del h
+    # dA_d = t_d.T @ h is computed in the SwiGLU backward's pass over gate and up (or alone): h is never made
     if not need_dgu:
+        da_d = swiglu.silu_mul_t_matmul(t_d, gate_out, up_out).to(down.lora_a.dtype) if need_da_d else None
         return None, da_d, db_d
     gc[:, :k].copy_(grad_y)
     d = torch.empty(rows, 2 * inter + extra, dtype=dtype, device=grad_y.device)
     concat_input_grad(gc, [down.weight], _cast(down.lora_a, dtype), out=d[:, :inter])  # dh, where d gate goes
+    t_d = t_d.clone() if need_da_d else None  # (M, r): lets the (M, K + r) gc go now
     del gc
-    swiglu.silu_mul_backward(d[:, :inter], gate_out, up_out, grad_h_is_scratch=True, out_up=d[:, inter : 2 * inter])
+    dh, d_up = d[:, :inter], d[:, inter : 2 * inter]
+    if need_da_d:
+        _, _, da_d = swiglu.silu_mul_backward_lora(dh, gate_out, up_out, t_d, grad_h_is_scratch=True, out_up=d_up)
+        da_d = da_d.to(down.lora_a.dtype)
+    else:
+        da_d = None
+        swiglu.silu_mul_backward(dh, gate_out, up_out, grad_h_is_scratch=True, out_up=d_up)
     return d, da_d, db_d
 
 

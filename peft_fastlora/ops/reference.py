@@ -138,6 +138,29 @@ def silu_mul_backward_ref(
     return dg, du
 
 
+def silu_mul_t_matmul_ref(t: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``t.T @ silu_mul_ref(gate, up)`` in fp32 (``h`` rounded to ``gate.dtype`` first; twin of
+    ``kernels.swiglu.silu_mul_t_matmul``)."""
+    rows = gate.reshape(-1, gate.shape[-1])
+    return t.reshape(rows.shape[0], -1).float().t() @ silu_mul_ref(rows, up.reshape(rows.shape)).float()
+
+
+def silu_mul_backward_lora_ref(
+    grad_h: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    t: torch.Tensor,
+    *,
+    grad_h_is_scratch: bool = False,
+    out_up: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(d gate, d up, t.T @ h)``: [`silu_mul_backward_ref`] and [`silu_mul_t_matmul_ref`] (twin of
+    ``kernels.swiglu.silu_mul_backward_lora``)."""
+    grad_a = silu_mul_t_matmul_ref(t, gate, up)
+    dg, du = silu_mul_backward_ref(grad_h, gate, up, grad_h_is_scratch=grad_h_is_scratch, out_up=out_up)
+    return dg, du, grad_a
+
+
 def cross_entropy_grad_ref(logits: torch.Tensor, target: torch.Tensor, grad_scale: float,
                            ignore_index: int) -> torch.Tensor:  # fmt: skip
     """Per-row fp32 cross-entropy of ``logits`` ``(rows, V)`` against ``target``; overwrites the logits with

@@ -2,8 +2,9 @@
 
 Why: in a SwiGLU MLP (Llama, Mistral, Qwen2, ...) the down projection's input ``h = silu(gate) * up`` is as large as
 ``gate`` and ``up`` (tokens x intermediate size) and the LoRA backward needs it (``dA = t.T @ h``), so an unfused
-step keeps ``h`` for backward on top of ``gate`` and ``up``: 235 MB per Llama-3-8B layer at 8192 tokens. Here
-backward recomputes ``h`` from ``gate`` and ``up`` (one elementwise pass) and only those two are kept.
+step keeps ``h`` for backward on top of ``gate`` and ``up``: 235 MB per Llama-3-8B layer at 8192 tokens. Here only
+those two are kept, and backward computes ``dA`` in the SwiGLU backward's own pass over them
+(``kernels.swiglu.silu_mul_backward_lora``), from ``h`` made tile by tile in registers and never written.
 
 [`swiglu_lora_linear`] is the door (arguments checked like ``fastlora_linear``'s); [`SwiGLULoraFunction`] the
 autograd wrapper around ``lora_linear_forward`` / ``lora_linear_backward`` and the SwiGLU kernels. On CPU tensors
@@ -42,16 +43,21 @@ class SwiGLULoraFunction(torch.autograd.Function):
         gate, up, xa, lora_a, lora_b = ctx.saved_tensors
         nig = ctx.needs_input_grad
         swiglu = kernels.load().swiglu
-        need_dh = nig[0] or nig[1]
-        needs = (need_dh, nig[2], nig[3], nig[4], False)
-        # dA = t.T @ h is the one use of h: made for it and dropped before W is dequantized for dh
-        dh, dbias, da, db, _ = lora_linear_backward(grad_out.contiguous(), None, lora_a, lora_b,
-                                                   lambda: swiglu.silu_mul(gate, up), xa, ctx.bias_dtype, ctx.scaling,
-                                                   needs, False, ctx.weight)  # fmt: skip
-        dg = du = None
+        need_dh, need_da = nig[0] or nig[1], nig[3]
+        # dA = t.T @ h is left to the SwiGLU pass below, which reads gate and up anyway: h is never made
+        needs = (need_dh, nig[2], False, nig[4], False)
+        dh, dbias, _, db, _, t = lora_linear_backward(grad_out.contiguous(), None, lora_a, lora_b, None, xa,
+                                                      ctx.bias_dtype, ctx.scaling, needs, False, ctx.weight,
+                                                      return_t=need_da)  # fmt: skip
+        dg = du = da = None
         if need_dh:  # d gate overwrites dh (read once, elementwise): one activation-sized buffer fewer at this point
-            dg, du = swiglu.silu_mul_backward(dh.view(gate.shape), gate, up, grad_h_is_scratch=True)
-        return dg, du, dbias, da, db, None, None
+            if need_da:
+                dg, du, da = swiglu.silu_mul_backward_lora(dh.view(gate.shape), gate, up, t, grad_h_is_scratch=True)
+            else:
+                dg, du = swiglu.silu_mul_backward(dh.view(gate.shape), gate, up, grad_h_is_scratch=True)
+        elif need_da:
+            da = swiglu.silu_mul_t_matmul(t, gate, up)
+        return dg, du, dbias, None if da is None else da.to(lora_a.dtype), db, None, None
 
 
 def swiglu_lora_linear(

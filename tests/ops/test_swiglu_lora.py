@@ -8,7 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from peft_fastlora.ops import kernels, swiglu_lora_linear
-from peft_fastlora.ops.reference import lora_linear_ref, silu_mul_backward_ref, silu_mul_ref
+from peft_fastlora.ops.reference import (
+    lora_linear_ref,
+    silu_mul_backward_lora_ref,
+    silu_mul_backward_ref,
+    silu_mul_ref,
+    silu_mul_t_matmul_ref,
+)
 from tests.utils import saved_bytes
 
 from .helpers import assert_close_scaled, make_inputs, make_weight
@@ -84,6 +90,61 @@ def test_kernels_read_and_write_columns_of_wider_matrices(force_triton, dtype, a
         assert d[:, 2 * cols :].isnan().all()
 
 
+GRAD_A_CASES = [  # (dtype, atol, rtol) of t.T @ h against the twin: one fp32 sum in both, in another order
+    pytest.param(torch.float32, 1e-5, 1e-5, id="fp32"),
+    pytest.param(torch.float16, 1e-5, 1e-5, id="fp16"),
+    pytest.param(torch.bfloat16, 1e-5, 1e-5, id="bf16"),
+]
+
+
+@pytest.mark.parametrize("rows, cols, r", [(7, 50, 16), (600, 130, 8), (70, 257, 33), (1, 1, 1)], ids=str)
+@pytest.mark.parametrize("dtype, atol, rtol", GRAD_A_CASES)
+def test_lora_grad_kernels_match_their_twins(force_triton, rows, cols, r, dtype, atol, rtol):
+    """``t.T @ silu(gate) * up`` alone and inside the SwiGLU backward; 600 rows run in two row splits."""
+    swiglu = kernels.load().swiglu
+    gate, up = (torch.randn(rows, cols) * 3).to(dtype), torch.randn(rows, cols).to(dtype)
+    t, grad = torch.randn(rows, r).to(dtype), torch.randn(rows, cols).to(dtype)
+    expected = silu_mul_t_matmul_ref(t, gate, up)
+    product = swiglu.silu_mul_t_matmul(t, gate, up)
+    assert product.dtype == torch.float32 and product.shape == (r, cols)
+    assert_close_scaled(product, expected, atol, rtol, "t.T @ h")
+    dg, du, product = swiglu.silu_mul_backward_lora(grad.clone(), gate, up, t)
+    dg_ref, du_ref, _ = silu_mul_backward_lora_ref(grad, gate, up, t)
+    assert_close_scaled(product, expected, atol, rtol, "t.T @ h in the backward")
+    ew_atol, ew_rtol = {torch.float32: (1e-6, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 8e-3)}[dtype]
+    torch.testing.assert_close(dg, dg_ref, atol=ew_atol, rtol=ew_rtol)
+    torch.testing.assert_close(du, du_ref, atol=ew_atol, rtol=ew_rtol)
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", GRAD_A_CASES[1:])
+def test_lora_grad_backward_reads_and_writes_columns_of_wider_matrices(force_triton, dtype, atol, rtol):
+    """The fused LoRA MLP's layout (as for the plain backward), with t the last columns of a wider matrix too."""
+    swiglu = kernels.load().swiglu
+    rows, cols, r = 300, 150, 16
+    gu = (torch.randn(rows, 2 * cols + 7) * 3).to(dtype)
+    gate, up = gu[:, :cols], gu[:, cols : 2 * cols]
+    tc = torch.randn(rows, 40 + r).to(dtype)
+    t = tc[:, 40:]
+    grad = torch.randn(rows, cols).to(dtype)
+    d = torch.full((rows, 2 * cols + 16), float("nan"), dtype=dtype)
+    d[:, :cols] = grad
+    dg, du, product = swiglu.silu_mul_backward_lora(d[:, :cols], gate, up, t, grad_h_is_scratch=True,
+                                                    out_up=d[:, cols : 2 * cols])  # fmt: skip
+    assert dg.data_ptr() == d.data_ptr() and du.data_ptr() == d[:, cols:].data_ptr()
+    dg_ref, du_ref, expected = silu_mul_backward_lora_ref(grad, gate.contiguous(), up.contiguous(), t.contiguous())
+    torch.testing.assert_close(d[:, :cols], dg_ref, atol=8e-3, rtol=8e-3)
+    torch.testing.assert_close(d[:, cols : 2 * cols], du_ref, atol=8e-3, rtol=8e-3)
+    assert d[:, 2 * cols :].isnan().all()
+    assert_close_scaled(product, expected, atol, rtol, "t.T @ h")
+
+
+def test_lora_grad_twin_is_the_product_with_h_as_written():
+    """The twin multiplies by h rounded to the activation dtype, the h the forward's down projection read."""
+    gate, up, t = torch.randn(33, 20).bfloat16(), torch.randn(33, 20).bfloat16(), torch.randn(33, 4).bfloat16()
+    h = silu_mul_ref(gate, up)
+    torch.testing.assert_close(silu_mul_t_matmul_ref(t, gate, up), t.double().t().matmul(h.double()).float())
+
+
 def test_backward_twin_is_autograd_of_the_forward_twin():
     gate, up = torch.randn(64, dtype=torch.float64, requires_grad=True), torch.randn(64, dtype=torch.float64)
     up.requires_grad_()
@@ -145,33 +206,33 @@ def test_keeps_gate_and_up_but_not_h(force_triton):
     assert unfused >= fused + gate.nbytes  # h (and silu's own saved tensors) on top
 
 
-def test_backward_drops_h_before_dequantizing_w(force_triton, monkeypatch):
-    """Backward remakes h for dA only: h is gone when W is dequantized for dh (they would set the peak together)."""
-    import weakref
-
-    swiglu, dequant = kernels.load().swiglu, kernels.load().dequant
-    made, alive_at_dequant = [], []
-    real_silu_mul, real_dequant = swiglu.silu_mul, dequant.dequantize_triton
-
-    def silu_mul(gate, up):
-        h = real_silu_mul(gate, up)
-        made.append(weakref.ref(h))
-        return h
-
-    def dequantize(weight, dtype, out=None):
-        alive_at_dequant.append(sum(ref() is not None for ref in made))
-        return real_dequant(weight, dtype, out)
-
-    monkeypatch.setattr(swiglu, "silu_mul", silu_mul)
-    monkeypatch.setattr(dequant, "dequantize_triton", dequantize)
+def test_backward_never_makes_h(force_triton, monkeypatch):
+    """dA comes from gate and up inside the SwiGLU backward: backward makes no h at all (it made one before W was
+    dequantized, and h and W set the peak together), and the grads still match fp32 autograd."""
+    swiglu = kernels.load().swiglu
+    made = []
+    real_silu_mul = swiglu.silu_mul
+    monkeypatch.setattr(swiglu, "silu_mul", lambda *args, **kw: made.append(args) or real_silu_mul(*args, **kw))
     y, y_ref, leaves, ref = fused_and_reference((6,), 24, 64, "nf4-nested", torch.float32, torch.float32)
-    made.clear(), alive_at_dequant.clear()  # the forward's h and W
+    assert len(made) == 1  # the forward's
     grad = torch.randn_like(y_ref)
     y.backward(grad)
     y_ref.backward(grad)
-    assert len(made) == 1 and alive_at_dequant == [0]
-    for name in ("gate", "up", "lora_a"):
+    assert len(made) == 1
+    for name in ("gate", "up", "lora_a", "lora_b"):
         assert_close_scaled(leaves[name].grad, ref[name].grad, 1e-4, 1e-4, name)
+
+
+def test_lora_grad_without_gate_and_up_grads(force_triton):
+    """Frozen gate and up (no grad wanted): dA alone, from the product kernel."""
+    weight = make_weight("nf4-nested", 24, 64, device="cpu")
+    _, _, a, bb, _ = make_inputs((5,), 24, 64, torch.float32, requires_grad=True, bias=False, device="cpu")
+    gate, up = torch.randn(5, 64) * 2, torch.randn(5, 64)
+    swiglu_lora_linear(gate, up, weight, None, a, bb, 2.0).square().sum().backward()
+    ref_a, ref_b = a.detach().clone().requires_grad_(), bb.detach().clone().requires_grad_()
+    lora_linear_ref(F.silu(gate) * up, weight, None, ref_a, ref_b, 2.0).square().sum().backward()
+    assert_close_scaled(a.grad, ref_a.grad, 1e-4, 1e-4, "lora_a")
+    assert_close_scaled(bb.grad, ref_b.grad, 1e-4, 1e-4, "lora_b")
 
 
 def kernels_path_unfused(gate, up, weight, bias, a, b):
