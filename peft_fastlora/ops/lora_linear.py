@@ -69,6 +69,15 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, alpha: flo
     return out if alpha == 1.0 else out.mul_(alpha)
 
 
+def lora_b_grad(g: torch.Tensor, xa: torch.Tensor, lora_b: torch.Tensor, scaling: float = 1.0) -> torch.Tensor:
+    """``dB = scaling * g.T @ xa`` in ``lora_b``'s dtype, the scaling in cuBLAS' alpha (with ``beta=0``, ``lora_b``
+    only lends its shape and dtype to ``addmm``); fp32 adapters of 16-bit activations get fp32 straight from cuBLAS
+    where it can."""
+    if lora_b.dtype == g.dtype:
+        return torch.addmm(lora_b, g.t(), xa, beta=0, alpha=scaling)
+    return _matmul(g.t(), xa, lora_b.dtype, alpha=scaling)
+
+
 def weight_windows(m: int, n: int, k: int, length: int, align: int, element_size: int) -> list[tuple[int, int]]:
     """Windows ``[(start, stop), ...]`` covering ``[0, length)`` (``n``: rows, ``k``: columns) of a weight ``(n, k)``
     dequantized to ``element_size`` bytes and multiplied by an ``(m, k)`` activation: each window at most half the
@@ -198,10 +207,8 @@ def lora_linear_backward(
                 t = torch.mm(g, b_cast).mul_(scaling)
             else:
                 t = torch.addmm(_cast(grad_xa.reshape(-1, r), g.dtype), g, b_cast, alpha=scaling)
-        if need_db and lora_b.dtype == g.dtype:
-            db = torch.addmm(lora_b, g.t(), xa.reshape(-1, r), beta=0, alpha=scaling)  # as for t
-        elif need_db:
-            db = _matmul(g.t(), xa.reshape(-1, r), lora_b.dtype, alpha=scaling)
+        if need_db:
+            db = lora_b_grad(g, xa.reshape(-1, r), lora_b, scaling)
         if need_da:
             da = _matmul(t.t(), _cast(lora_input.reshape(-1, k), g.dtype), lora_a.dtype)
         if need_dlx and separate_lora_x:

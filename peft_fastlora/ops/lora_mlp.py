@@ -35,7 +35,7 @@ import torch
 
 from . import kernels
 from .dispatch import _use_triton, check_linear_args, fastlora_linear, without_autocast
-from .lora_linear import ROW_WINDOW_ALIGN, _cast, _matmul, weight_windows
+from .lora_linear import ROW_WINDOW_ALIGN, _cast, _matmul, lora_b_grad, weight_windows
 from .quant_state import QuantizedWeight
 from .reference import silu_mul_ref
 
@@ -108,13 +108,6 @@ def _scaled_mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling
     return torch.addmm(out, a, b, beta=0, alpha=scaling, out=out)
 
 
-def _lora_b_grad(g: torch.Tensor, xa_scaled: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
-    """``dB = g.T @ xa_scaled`` (``xa_scaled = s * lora_x @ A.T``) in ``lora_b``'s dtype."""
-    if lora_b.dtype == g.dtype:
-        return torch.mm(g.t(), xa_scaled)
-    return _matmul(g.t(), xa_scaled, lora_b.dtype)
-
-
 def gate_up_forward(x: torch.Tensor, gate: LoraProjection, up: LoraProjection):
     """``(gate_out, up_out, xc)`` for ``x`` (M, hidden), where ``xc = [x | s_g x @ Ag.T | s_u x @ Au.T]`` (kept for
     backward: x once, and both projections' ``xa``)."""
@@ -146,8 +139,8 @@ def gate_up_backward(d: torch.Tensor, xc: torch.Tensor, gate: LoraProjection, up
     dg, du = d[:, :inter], d[:, inter : 2 * inter]
     x, xa_g, xa_u = xc[:, :k], xc[:, k : k + r_g], xc[:, k + r_g :]
     dx = da_g = da_u = None
-    db_g = _lora_b_grad(dg, xa_g, gate.lora_b) if need_db_g else None  # xa already carries s
-    db_u = _lora_b_grad(du, xa_u, up.lora_b) if need_db_u else None
+    db_g = lora_b_grad(dg, xa_g, gate.lora_b) if need_db_g else None  # xa already carries s
+    db_u = lora_b_grad(du, xa_u, up.lora_b) if need_db_u else None
     if not (need_dx or need_da_g or need_da_u):
         return dx, da_g, db_g, da_u, db_u
     t_g = _scaled_mm_into(d[:, 2 * inter : 2 * inter + r_g], dg, _cast(gate.lora_b, dtype), gate.scaling)
@@ -189,7 +182,7 @@ def swiglu_down_backward(grad_y: torch.Tensor, gate_out: torch.Tensor, up_out: t
     # t_d = s_d g @ Bd, written next to g: dh = [g | t_d] @ [Wd ; Ad]
     gc = torch.empty(rows, k + r_d, dtype=dtype, device=grad_y.device)
     t_d = _scaled_mm_into(gc[:, k:], grad_y, _cast(down.lora_b, dtype), down.scaling)
-    db_d = _lora_b_grad(grad_y, xa_d, down.lora_b) if need_db_d else None  # xa_d already carries s_d
+    db_d = lora_b_grad(grad_y, xa_d, down.lora_b) if need_db_d else None  # xa_d already carries s_d
     # dA_d = t_d.T @ h is computed in the SwiGLU backward's pass over gate and up (or alone): h is never made
     if not need_dgu:
         da_d = swiglu.silu_mul_t_matmul(t_d, gate_out, up_out).to(down.lora_a.dtype) if need_da_d else None
