@@ -116,11 +116,18 @@ class FastLoraModel(LoraModel):
             "the pure-torch reference (CPU; Triton runs on CUDA)" if "cuda" not in devices
             else "Triton kernels on CUDA layers, the pure-torch reference elsewhere"
         )
+        facts = (adapter_name, fast[4] + fast[8], fast[4], fast[8], plain, "/".join(sorted(dtypes)),
+                 self.peft_config[adapter_name].adapter_dtype, kernels)  # fmt: skip
+        # PEFT casts an adapter when it is made and again when `load_adapter` has filled it (`from_pretrained` does
+        # both): the same facts are said once; a change (another dtype after loading) is said again
+        reported = self.__dict__.setdefault("_adapter_reports", {})
+        if reported.get(adapter_name) == facts:
+            return
+        reported[adapter_name] = facts
         logger.info(
             "peft_fastlora: adapter %r: %d FastLoRA layers (%d 4-bit, %d 8-bit), %d plain LoRA layers; adapter dtype "
             "%s (adapter_dtype=%r); kernels: %s.",
-            adapter_name, fast[4] + fast[8], fast[4], fast[8], plain, "/".join(sorted(dtypes)),
-            self.peft_config[adapter_name].adapter_dtype, kernels,
+            *facts,
         )
 
     def _check_training_quantization(self, adapter_name: str, folder: Optional[Path]) -> None:

@@ -90,6 +90,19 @@ def test_get_peft_model_logs_one_summary_line(tiny_llama_path, caplog):
     assert "pure-torch reference (CPU" in lines[0]
 
 
+def test_from_pretrained_logs_the_summary_once(tiny_llama_path, tmp_path, caplog):
+    """PEFT casts a loaded adapter twice (when made, and after its weights are loaded): one summary line, not two; a
+    second adapter gets its own line."""
+    get_peft_model(load_quantized(tiny_llama_path), fast_config(r=4)).save_pretrained(tmp_path / "adapter")
+    with caplog.at_level(logging.INFO, logger="peft_fastlora"):
+        model = PeftModel.from_pretrained(load_quantized(tiny_llama_path), tmp_path / "adapter")
+        model.load_adapter(tmp_path / "adapter", adapter_name="other")
+    lines = [r.getMessage() for r in caplog.records if "FastLoRA layers (" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("peft_fastlora: adapter 'default'")
+    assert lines[1].startswith("peft_fastlora: adapter 'other'")
+
+
 def test_add_weighted_adapter_follows_the_policy(tiny_llama_path):
     model = get_peft_model(load_quantized(tiny_llama_path), fast_config(r=4, init_lora_weights=False))
     assert _lora_dtypes(model) == {BF16}
