@@ -142,7 +142,7 @@ def silu_mul_t_matmul_ref(t: torch.Tensor, gate: torch.Tensor, up: torch.Tensor)
     """``t.T @ silu_mul_ref(gate, up)`` in fp32 (``h`` rounded to ``gate.dtype`` first; twin of
     ``kernels.swiglu.silu_mul_t_matmul``)."""
     rows = gate.reshape(-1, gate.shape[-1])
-    return t.reshape(rows.shape[0], -1).float().t() @ silu_mul_ref(rows, up.reshape(rows.shape)).float()
+    return t.reshape(rows.shape[0], t.shape[-1]).float().t() @ silu_mul_ref(rows, up.reshape(rows.shape)).float()
 
 
 def silu_mul_backward_lora_ref(

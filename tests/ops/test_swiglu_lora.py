@@ -97,7 +97,8 @@ GRAD_A_CASES = [  # (dtype, atol, rtol) of t.T @ h against the twin: one fp32 su
 ]
 
 
-@pytest.mark.parametrize("rows, cols, r", [(7, 50, 16), (600, 130, 8), (70, 257, 33), (1, 1, 1), (40, 64, 128)],
+@pytest.mark.parametrize("rows, cols, r", [(7, 50, 16), (600, 130, 8), (70, 257, 33), (1, 1, 1), (40, 64, 128),
+                                           (0, 5, 4)],
                          ids=str)  # fmt: skip
 @pytest.mark.parametrize("dtype, atol, rtol", GRAD_A_CASES)
 def test_lora_grad_kernels_match_their_twins(force_triton, rows, cols, r, dtype, atol, rtol):

@@ -179,7 +179,7 @@ def _lora_grad_a(t: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, grads: O
     rows, cols = g2.shape
     rank = t2.shape[1]
     splits = max(1, min(MAX_SPLITS, rows // MIN_SPLIT_ROWS))
-    rows_per_split = cdiv(cdiv(rows, splits), LORA_BLOCK_M) * LORA_BLOCK_M
+    rows_per_split = max(1, cdiv(cdiv(rows, splits), LORA_BLOCK_M)) * LORA_BLOCK_M  # not 0: no rows is one split
     splits = max(1, cdiv(rows, rows_per_split))
     ws = torch.empty(splits, rank, cols, dtype=torch.float32, device=gate.device)
     dh, dg, du = (_rows(x) for x in grads) if grads is not None else (g2, g2, g2)  # unread without GRAD_H
