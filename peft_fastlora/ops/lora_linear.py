@@ -130,8 +130,8 @@ def add_low_rank_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: 
     """``out += scaling * a @ b.T`` in place (``b`` is (N, r), a view is fine): the Triton pass where it applies
     (16-bit, r <= 64: at a copy's speed, ~1.5x cuBLAS' ``addmm_`` on an H100 at 8,192 rows), else ``addmm_``."""
     lowrank = kernels.load().lowrank
-    if lowrank.supports(out, a):
-        lowrank.lowrank_add_(out, a, b, scaling)
+    if lowrank.supports(out, a):  # checked here once: shapes and dtypes match by construction
+        lowrank.launch_lowrank_add_(out, a, b, scaling)
     else:
         out.addmm_(a, b.t(), alpha=scaling)
 

@@ -85,7 +85,8 @@ def test_kernel_refuses_layouts_it_does_not_handle(lowrank, out_dtype, r, column
 @pytest.mark.parametrize("dtype, r", [(torch.float32, 16), (torch.bfloat16, 80)], ids=["fp32", "r80"])
 def test_add_low_rank_falls_back_to_cublas(force_triton, monkeypatch, dtype, r):
     lowrank = kernels.load().lowrank
-    monkeypatch.setattr(lowrank, "lowrank_add_", lambda *args: pytest.fail("the kernel was called"))
+    for name in ("lowrank_add_", "launch_lowrank_add_"):
+        monkeypatch.setattr(lowrank, name, lambda *args: pytest.fail("the kernel was called"))
     out, a, b = _operands(24, 40, r, dtype)
     expected = out.clone().addmm_(a, b.t(), alpha=0.5)
     add_low_rank_(out, a, b, 0.5)
@@ -95,8 +96,8 @@ def test_add_low_rank_falls_back_to_cublas(force_triton, monkeypatch, dtype, r):
 def test_add_low_rank_takes_the_kernel_for_16_bit(force_triton, monkeypatch):
     lowrank = kernels.load().lowrank
     calls = []
-    real = lowrank.lowrank_add_
-    monkeypatch.setattr(lowrank, "lowrank_add_", lambda *args: calls.append(args) or real(*args))
+    real = lowrank.launch_lowrank_add_
+    monkeypatch.setattr(lowrank, "launch_lowrank_add_", lambda *args: calls.append(args) or real(*args))
     out, a, b = _operands(24, 40, 16, torch.bfloat16)
     expected = lowrank_add_ref(out.clone(), a, b, 0.5)
     add_low_rank_(out, a, b, 0.5)

@@ -79,6 +79,12 @@ def lowrank_add_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: f
             f"{MAX_RANK}, and b (N, r) of that dtype; got out {tuple(out.shape)} {out.dtype} strides {out.stride()}, "
             f"a {tuple(a.shape)} {a.dtype} strides {a.stride()}, b {tuple(b.shape)} {b.dtype}"
         )
+    return launch_lowrank_add_(out, a, b, scaling)
+
+
+def launch_lowrank_add_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """[`lowrank_add_`] without its checks, for a caller whose operands [`supports`] took and whose shapes and
+    dtypes match by construction (the training path, once per layer call)."""
     rows, cols = out.shape
     rank = a.shape[1]
     if rows == 0 or cols == 0:

@@ -146,6 +146,14 @@ def _out(like: torch.Tensor, out: Optional[torch.Tensor], name: str) -> torch.Te
     return out
 
 
+def _backward_outputs(grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, grad_h_is_scratch: bool,
+                      out_up: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Where the SwiGLU backward writes ``(d gate, d up)``: ``grad_h`` itself when the caller gives it up and it has
+    gate's dtype, else a new tensor; ``out_up`` (checked) or a new tensor."""
+    dg = grad_h if grad_h_is_scratch and grad_h.dtype == gate.dtype else torch.empty_like(gate)
+    return dg, _out(up, out_up, "out_up")
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``silu(gate) * up`` in ``gate.dtype`` (fp32 math, one rounding), into ``out`` when given (a tensor like
     ``gate``, whose rows may be further apart: the first columns of a wider matrix)."""
@@ -160,8 +168,7 @@ def silu_mul_backward(grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
     """``(d gate, d up)`` of [`silu_mul`] for the gradient ``grad_h`` (fp32 math, one rounding each);
     ``grad_h_is_scratch``: the caller gives up ``grad_h`` (of ``gate``'s dtype), and d gate is written into it;
     ``out_up``: where to write d up (a tensor like ``up``, rows possibly further apart)."""
-    dg = grad_h if grad_h_is_scratch and grad_h.dtype == gate.dtype else torch.empty_like(gate)
-    du = _out(up, out_up, "out_up")
+    dg, du = _backward_outputs(grad_h, gate, up, grad_h_is_scratch, out_up)
     if dg.numel():
         tensors = (_rows(grad_h), _rows(gate), _rows(up), _rows(dg), _rows(du))
         _launch(_silu_mul_backward_kernel, tensors, gate.device)
@@ -210,6 +217,5 @@ def silu_mul_backward_lora(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(d gate, d up, t.T @ h)``: [`silu_mul_backward`] and [`silu_mul_t_matmul`] in one pass over gate and up
     (same arguments as [`silu_mul_backward`]; the product in fp32)."""
-    dg = grad_h if grad_h_is_scratch and grad_h.dtype == gate.dtype else torch.empty_like(gate)
-    du = _out(up, out_up, "out_up")
+    dg, du = _backward_outputs(grad_h, gate, up, grad_h_is_scratch, out_up)
     return dg, du, _lora_grad_a(t, gate, up, (grad_h, dg, du))
