@@ -436,7 +436,9 @@ def run_profile(model, provider: str, batch: int, ckpt: bool, args, device: torc
             for i, (name, (us, n)) in enumerate(sorted(kernels.items(), key=lambda kv: -kv[1][0])[:20])]  # fmt: skip
     tag = f"{provider}_b{batch}_ckpt-{'on' if ckpt else 'off'}"
     lines = [f"# {line}" for line in C.header_lines(C.env_info(device))]
-    lines.append(f"# profile of one training step: {tag}, seq {args.seq}; GPU kernel time {total_us / 1e3:.2f} ms")
+    launches = sum(v[1] for v in kernels.values())
+    lines.append(f"# profile of one training step: {tag}, seq {args.seq}; GPU kernel time {total_us / 1e3:.2f} ms "
+                 f"in {launches} kernels")
     lines += C.timeline_lines(prof.events())
     if rows:
         lines.append(C.format_table(rows, ["rank", "kernel", "calls", "total_ms", "pct_gpu_time"],

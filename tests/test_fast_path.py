@@ -256,6 +256,81 @@ def test_fused_mlp_on_other_swiglu_architectures(tmp_path, monkeypatch, model_ty
         torch.testing.assert_close(grads_fused[name], grad, atol=2e-2 * scale, rtol=2e-2, msg=name)
 
 
+def _count_group_calls(monkeypatch) -> list[int]:
+    from peft_fastlora import projection_group
+
+    calls = [0]
+    real = projection_group.lora_linear_group
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(projection_group, "lora_linear_group", counting)
+    return calls
+
+
+@pytest.mark.parametrize("model_type, ckpt", [("llama", "off"), ("llama", "non-reentrant"), ("llama", "reentrant"),
+                                              ("qwen2", "off")])  # fmt: skip
+def test_projection_groups_match_the_module_math(tmp_path, monkeypatch, model_type, ckpt):
+    """q/k/v and gate/up train as one op each in every layer (Qwen2's q/k/v with their biases), once per block
+    forward with grad; loss
+    and every LoRA grad match the separate projections' within bf16 rounding (Triton path under
+    the interpreter); inference runs each layer's own path, with the same logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **TINY_LLAMA)).save_pretrained(tmp_path)
+    plain, fused = fastlora_model(tmp_path), fastlora_model(tmp_path)
+    peft_fastlora.enable_fast_path(plain, liger=False, group_projections=False)
+    report = peft_fastlora.enable_fast_path(fused, liger=False)
+    layers = TINY_LLAMA["num_hidden_layers"]
+    assert report.projection_groups == 2 * layers and "projection groups: 4" in report.summary()
+    calls = _count_group_calls(monkeypatch)
+    for model in (plain, fused):
+        set_checkpointing(model, ckpt)
+        model.train()
+    ids = tokens(rows=2, seq=8)
+    loss_plain, grads_plain = _loss_and_grads(plain, ids)
+    assert calls[0] == 0
+    loss_fused, grads_fused = _loss_and_grads(fused, ids)
+    forwards = layers * (2 if ckpt == "non-reentrant" else 1)  # reentrant: the first forward has no grad
+    assert calls[0] == 2 * forwards  # q/k/v and gate/up
+    torch.testing.assert_close(loss_fused, loss_plain, atol=1e-4, rtol=1e-4)
+    assert grads_fused.keys() == grads_plain.keys() and any("k_proj" in n for n in grads_fused)
+    k_proj = fused.get_base_model().model.layers[0].self_attn.k_proj
+    assert (model_type == "qwen2") == (k_proj.base_layer.bias is not None)  # the group adds Qwen2's (frozen) biases
+    for name, grad in grads_plain.items():
+        scale = grad.abs().max().item()
+        torch.testing.assert_close(grads_fused[name], grad, atol=2e-2 * scale, rtol=2e-2, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(input_ids=ids).logits, plain(input_ids=ids).logits, atol=0, rtol=0)
+    assert calls[0] == 2 * forwards
+
+
+def test_projection_group_turns_itself_off_for_a_module_that_calls_otherwise(tiny_llama_path, monkeypatch):
+    """An attention module that does not call q, k and v on one input one after the other: the group warns once,
+    turns off, and every projection gives what it gives alone."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    model = fastlora_model(tiny_llama_path)
+    assert peft_fastlora.enable_fast_path(model, liger=False).projection_groups == 2 * TINY_LLAMA["num_hidden_layers"]
+    attn = model.get_base_model().model.layers[0].self_attn
+    x, y = torch.randn(2, 3, TINY_LLAMA["hidden_size"]), torch.randn(2, 3, TINY_LLAMA["hidden_size"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q = attn.q_proj(x)
+        with pytest.warns(UserWarning, match="does not call q_proj, k_proj, v_proj on one input"):
+            k = attn.k_proj(y)
+        v = attn.v_proj(y)
+        for got, (layer, inp) in zip((q, k, v), ((attn.q_proj, x), (attn.k_proj, y), (attn.v_proj, y))):
+            torch.testing.assert_close(got, type(layer).forward(layer, inp))  # bf16 tolerances
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attn.q_proj(x), attn.k_proj(y)  # off: no second warning
+
+
 def test_fused_mlp_steps_aside_for_what_it_cannot_fuse(tiny_llama_path):
     """Dropout on the down projection's LoRA input (or two active adapters) keeps the module's math."""
     model = fastlora_model(tiny_llama_path, lora_dropout=0.1)
@@ -316,7 +391,7 @@ def test_unsupported_architecture_warns_or_raises(tiny_llama_path, fake_liger, m
 
 
 @pytest.mark.parametrize(("name", "value"), [("liger", "yes"), ("compile_blocks", "auto"), ("offload_activations", 1),
-                                             ("fuse_mlp", "down")])
+                                             ("fuse_mlp", "down"), ("group_projections", "qkv")])
 def test_bad_arguments_name_the_argument(tiny_llama_path, name, value):
     model = fastlora_model(tiny_llama_path)
     with pytest.raises(ValueError, match=f"`{name}` must be one of .* got {value!r}"):
@@ -376,7 +451,7 @@ def test_offloaded_checkpointing_matches_and_moves_inputs_to_cpu(tiny_llama_path
     monkeypatch.setattr(fast_path, "_pack", recording_pack)  # before the hooks bind it
     plain, fast = fastlora_model(tiny_llama_path, device="cuda"), fastlora_model(tiny_llama_path, device="cuda")
     report = peft_fastlora.enable_fast_path(fast, liger=False, offload_activations=True, fuse_mlp=False,
-                                            fused_loss=False)  # the offload alone: bit-identical
+                                            group_projections=False, fused_loss=False)  # the offload alone: same bits
     assert report.offload_activations
     for model in (plain, fast):
         model.train()

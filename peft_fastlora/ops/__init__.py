@@ -7,6 +7,7 @@
 - ``lora_linear.py`` and ``custom_ops.py``: the training path's autograd wrapper and the ``torch.library`` ops;
 - ``swiglu_lora.py``: [`swiglu_lora_linear`], the MLP down projection fused with its SwiGLU (keeps no ``h``);
 - ``lora_mlp.py``: [`lora_mlp`], a whole SwiGLU MLP of three LoRA projections, each LoRA term inside its matmul;
+- ``lora_group.py``: [`lora_linear_group`], LoRA projections of one input (q, k, v) as one op;
 - ``linear_cross_entropy.py``: [`linear_cross_entropy`], the LM head fused with its loss (no full logits);
 - ``kernels/``: everything that imports Triton.
 
@@ -17,6 +18,7 @@ ops/ never imports peft or bitsandbytes. Caching inside ops/ is documented where
 
 from .dispatch import FORCE_TRITON_ENV, dequantize, fastlora_linear, prepare_small_m_call
 from .linear_cross_entropy import LinearCrossEntropyFunction, linear_cross_entropy
+from .lora_group import LoraGroupFunction, lora_linear_group
 from .lora_linear import LoraLinearFunction
 from .lora_mlp import LoraGateUpFunction, LoraProjection, SwiGLUDownFunction, lora_mlp, lora_mlp_fusable
 from .quant_state import Int8Rowwise, Packed4bit, QuantizedWeight
@@ -28,6 +30,7 @@ __all__ = [
     "LinearCrossEntropyFunction",
     "LoraLinearFunction",
     "LoraGateUpFunction",
+    "LoraGroupFunction",
     "LoraProjection",
     "Packed4bit",
     "QuantizedWeight",
@@ -36,6 +39,7 @@ __all__ = [
     "dequantize",
     "fastlora_linear",
     "linear_cross_entropy",
+    "lora_linear_group",
     "lora_mlp",
     "lora_mlp_fusable",
     "prepare_small_m_call",

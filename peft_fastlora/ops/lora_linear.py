@@ -113,16 +113,23 @@ def _base_matmul(x2d: torch.Tensor, weight: QuantizedWeight, bias: Optional[torc
     return out
 
 
-def _input_grad(g: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """``g @ dequant(W)`` (M, K) in ``g.dtype``, W made whole or in column windows."""
+def _input_grad(g: torch.Tensor, weight: QuantizedWeight, accumulate: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``g @ dequant(W)`` (M, K) in ``g.dtype``, W made whole or in column windows; added into ``accumulate`` (M, K)
+    by cuBLAS (``beta=1``: the sum costs a read in the matmul's epilogue, not a pass of its own) when given."""
     dequant = kernels.load().dequant
     n, k = weight.shape
     windows = weight_windows(g.shape[0], n, k, k, dequant.column_alignment(weight), g.element_size())
     if len(windows) == 1:
-        return torch.mm(g, dequant.dequantize_triton(weight, g.dtype))
-    dx = torch.empty(g.shape[0], k, dtype=g.dtype, device=g.device)
+        w = dequant.dequantize_triton(weight, g.dtype)
+        return torch.mm(g, w) if accumulate is None else accumulate.addmm_(g, w)
+    dx = torch.empty(g.shape[0], k, dtype=g.dtype, device=g.device) if accumulate is None else accumulate
     for start, stop in windows:
-        torch.mm(g, dequant.dequantize_window(weight, g.dtype, (0, n), (start, stop)), out=dx[:, start:stop])
+        w = dequant.dequantize_window(weight, g.dtype, (0, n), (start, stop))
+        if accumulate is None:
+            torch.mm(g, w, out=dx[:, start:stop])
+        else:
+            torch.addmm(dx[:, start:stop], g, w, out=dx[:, start:stop])
+        del w  # before the next window is made
     return dx
 
 

@@ -41,13 +41,15 @@ from .reference import silu_mul_ref
 
 
 class LoraProjection(NamedTuple):
-    """One projection of the MLP: its quantized weight ``(out_features, in_features)`` and its adapter
-    (``lora_a`` ``(r, in_features)``, ``lora_b`` ``(out_features, r)``, ``scaling``)."""
+    """One LoRA projection of a fused op: its quantized weight ``(out_features, in_features)``, its adapter
+    (``lora_a`` ``(r, in_features)``, ``lora_b`` ``(out_features, r)``, ``scaling``) and its bias
+    (``(out_features,)``; [`lora_mlp`] takes none, ``lora_group.lora_linear_group`` does)."""
 
     weight: QuantizedWeight
     lora_a: torch.Tensor
     lora_b: torch.Tensor
     scaling: float
+    bias: Optional[torch.Tensor] = None
 
 
 def _window_align(weights: list[QuantizedWeight]) -> int:
@@ -284,6 +286,8 @@ def check_mlp_args(x: torch.Tensor, gate: LoraProjection, up: LoraProjection, do
             raise TypeError(f"`{name}` must be a LoraProjection(weight, lora_a, lora_b, scaling), got {type(p)}.")
         if p.lora_a is None or p.lora_b is None:
             raise ValueError(f"`{name}` has no adapter (lora_a / lora_b is None); call the projections unfused.")
+        if p.bias is not None:
+            raise ValueError(f"`{name}` has a bias; the fused MLP takes none: call the projections unfused.")
     check_linear_args(x, gate.weight, None, gate.lora_a, gate.lora_b, None)
     check_linear_args(x, up.weight, None, up.lora_a, up.lora_b, None)
     inter, hidden = gate.weight.shape
