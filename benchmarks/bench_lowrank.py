@@ -10,6 +10,9 @@
   made again, ``dA = t.T @ h`` by cuBLAS and the SwiGLU backward (what ran before) against
   ``silu_mul_backward_lora`` (one pass: dA from gate and up, h never written). GB/s counts the fused pass's bytes
   (gate, up, dh read; d gate, d up written).
+- The projection groups (``ops/lora_group.py``): forward and forward+backward of Llama-3-8B's q/k/v (4096 ->
+  4096 / 1024 / 1024) and gate/up (4096 -> 14336 / 14336) nf4 projections as one ``lora_linear_group`` op against the
+  separate ``fastlora_linear`` ops (autograd summing their input grads); no GB/s (the matmuls dominate).
 
 Token counts of a batch-1 and a batch-4 step (2,048 / 8,192); times are medians of ``triton.testing.do_bench`` (L2
 flushed per call). Writes lowrank.csv.
@@ -32,6 +35,8 @@ INTERMEDIATE = 14336
 TINY = ([16, 40], [32, 72])
 TINY_INTERMEDIATE = 96
 RANK = 16
+GROUPS = {"q/k/v": (4096, [4096, 1024, 1024]), "gate/up": (4096, [14336, 14336])}
+TINY_GROUPS = {"q/k/v": (64, [64, 32, 32]), "gate/up": (64, [128, 128])}
 COLUMNS = ["case", "M", "N", "r", "impl", "time_ms", "GBps", "pct_copy", "speedup_vs_cublas", "max_abs_diff"]
 
 
@@ -79,6 +84,37 @@ def time_down_backward(m: int, inter: int, swiglu, device) -> tuple[dict, float]
     return {k: v - times["clone"] for k, v in times.items() if k != "clone"}, diff
 
 
+def time_group(m: int, k: int, outs: list[int], device) -> tuple[dict, float]:
+    """Milliseconds of forward and forward+backward of nf4 projections of one input, grouped and separate, and the
+    largest difference between their outputs and input grads."""
+    from peft_fastlora.ops import LoraProjection, lora_linear_group
+    from peft_fastlora.ops.lora_group import lora_linear_group_ref
+
+    gen = torch.Generator(device=device).manual_seed(m + k + sum(outs))
+    projections = []
+    for n in outs:
+        w = (torch.randn(n, k, device=device, generator=gen) / k**0.5).to(torch.bfloat16)
+        a = (torch.randn(RANK, k, device=device, generator=gen) / k**0.5).to(torch.bfloat16).requires_grad_()
+        b = (torch.randn(n, RANK, device=device, generator=gen) / RANK**0.5).to(torch.bfloat16).requires_grad_()
+        projections.append(LoraProjection(C.quantize_nf4(w)[0], a, b, 2.0))
+    x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16).requires_grad_()
+    grads = [torch.randn(m, n, device=device, generator=gen).to(torch.bfloat16) for n in outs]
+    leaves = [x] + [t for p in projections for t in (p.lora_a, p.lora_b)]
+    ops = {"separate": lora_linear_group_ref, "grouped": lora_linear_group}
+    results = {}
+    for impl, op in ops.items():
+        ys = op(x, projections)
+        results[impl] = [y.detach().float() for y in ys] + [torch.autograd.grad(ys, x, grads)[0].float()]
+    diff = max((a - b).abs().max().item() for a, b in zip(results["grouped"], results["separate"]))
+    times = {}
+    for impl, op in ops.items():
+        with torch.no_grad():
+            times[f"{impl} fwd"] = C.bench_ms(lambda op=op: op(x, projections), device)
+        times[f"{impl} fwd+bwd"] = C.bench_ms(lambda op=op: torch.autograd.grad(op(x, projections), leaves, grads),
+                                              device)  # fmt: skip
+    return times, diff
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="benchmarks/results")
@@ -117,6 +153,15 @@ def main(argv=None) -> int:
                        max_abs_diff=diff if impl == "fused" else None)  # fmt: skip
             rows.append(row)
             log.append(row)
+        for name, (k, outs) in (TINY_GROUPS if args.tiny else GROUPS).items():
+            times, diff = time_group(m, k, outs, device)
+            for impl, ms_ in times.items():
+                mode = impl.split(" ")[1]
+                row = dict(case=f"{name} projection group, {mode}", M=m, N=sum(outs), r=RANK, impl=impl.split(" ")[0],
+                           time_ms=ms_, speedup_vs_cublas=times[f"separate {mode}"] / ms_,
+                           max_abs_diff=diff if impl.startswith("grouped") else None)  # fmt: skip
+                rows.append(row)
+                log.append(row)
     C.print_table(rows, COLUMNS)
     return 0
 

@@ -347,13 +347,18 @@ def test_bench_lowrank_tiny_cpu(tmp_path):
     header, columns, rows = read(tmp_path / "lowrank.csv")
     check_header(header)
     assert {"case", "impl", "time_ms", "GBps", "speedup_vs_cublas"} <= set(columns)
-    assert len(rows) == 2 * 2 * 2 * 3 + 2 * 2  # M x N x case x (copy, cuBLAS, Triton); M x (h made, fused)
+    # M x N x case x (copy, cuBLAS, Triton); M x (h made, fused); M x group x (separate, grouped) x (fwd, fwd+bwd)
+    assert len(rows) == 2 * 2 * 2 * 3 + 2 * 2 + 2 * 2 * 2 * 2
+    groups = {f"{g} projection group, {m}" for g in ("q/k/v", "gate/up") for m in ("fwd", "fwd+bwd")}
+    assert {r["case"] for r in rows if "group" in r["case"]} == groups
     for row in rows:
         assert float(row["time_ms"]) > 0
         if row["impl"] == "triton":
             assert float(row["max_abs_diff"]) <= 0.07, row  # bf16 rounding of O(1) values, one ulp at most
         if row["impl"] == "fused":
             assert float(row["max_abs_diff"]) <= 1e-3, row  # fp32 sums of the same products
+        if row["impl"] == "grouped":
+            assert float(row["max_abs_diff"]) <= 0.07, row  # bf16 rounding of O(1) values
 
 
 def test_gpu_only_scripts_explain_themselves_on_cpu(tmp_path):
