@@ -114,3 +114,39 @@ def test_fastlora_needs_fewer_launches_than_peft_lora_on_bf16(tiny_llama_path, t
     assert triton_launches, "the Triton launches must be counted, not skipped"
     peft_decode, peft_train = _decode(_layer(peft), x1).launches(), _train(_layer(peft), xg).launches()
     assert fast_decode < peft_decode and fast_train < peft_train, (fast_decode, peft_decode, fast_train, peft_train)
+
+
+def _qkv_train(model, x) -> tuple[CountOps, list[str]]:
+    attn = model.base_model.model.model.layers[0].self_attn
+    layers = (attn.q_proj, attn.k_proj, attn.v_proj)
+    params = [x] + [t for layer in layers for t in (layer.lora_A["default"].weight, layer.lora_B["default"].weight)]
+    model.train()
+    with CountOps() as count:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ys = [layer(x) for layer in layers]
+        torch.autograd.grad(ys, params, [torch.ones_like(y) for y in ys])
+    return count
+
+
+def test_a_projection_group_launches_less_than_its_layers(tiny_llama_path, triton_launches):
+    """q, k and v of one attention as the fast path's one op (``group_projections=True``) against the three layers'
+    own ops: one ``xa`` and one ``dA`` matmul instead of three each, ``dx`` accumulated in the matmuls instead of two
+    autograd adds, one low-rank pass into ``dx`` instead of three."""
+    grouped, separate = _fastlora(tiny_llama_path), _fastlora(tiny_llama_path)
+    peft_fastlora.enable_fast_path(grouped, liger=False, fused_loss=False, fuse_mlp=False)
+    peft_fastlora.enable_fast_path(separate, liger=False, fused_loss=False, fuse_mlp=False, group_projections=False)
+    x = torch.randn(1, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    counts = {}
+    for name, model in (("grouped", grouped), ("separate", separate)):
+        _qkv_train(model, x)  # warm
+        triton_launches.clear()
+        ops = _qkv_train(model, x)
+        counts[name] = (ops.launches(), sorted(triton_launches), ops.ops["aten.add"] + ops.ops["aten.add_"])
+    (grouped_aten, grouped_triton, grouped_adds), (separate_aten, separate_triton, separate_adds) = counts.values()
+    # Triton: three dequants each way; three forward adds; backward: one low-rank pass instead of three.
+    assert grouped_triton == sorted(["_dequant_4bit_kernel"] * 6 + ["_lowrank_add_kernel"] * 4), grouped_triton
+    assert separate_triton == sorted(["_dequant_4bit_kernel"] * 6 + ["_lowrank_add_kernel"] * 6), separate_triton
+    assert separate_adds - grouped_adds == 2  # autograd's sums of the three dx
+    # aten, each counting the test's three ones_like: separate 3 x 6 + 2 sums; grouped: forward cat(A), xa, three
+    # base matmuls; backward three t and three dB (addmm), one dA, dx in three matmuls, cat(A) for the low-rank pass
+    assert (grouped_aten, separate_aten) == (19, 23), counts

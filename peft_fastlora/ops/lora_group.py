@@ -70,7 +70,7 @@ def group_backward(grads: Sequence[Optional[torch.Tensor]], x: Optional[torch.Te
             if t is not None:
                 t[:, cols].zero_()
             continue
-        g = g.reshape(rows, -1)
+        g = g.reshape(rows, p.weight.shape[0])  # (not -1: ambiguous at zero rows)
         if t is not None:
             _scaled_mm_into(t[:, cols], g, _cast(p.lora_b, dtype), p.scaling)
         db = lora_b_grad(g, xa[:, cols], p.lora_b, p.scaling) if need_db else None

@@ -94,6 +94,32 @@ def test_group_matches_fp32_autograd(force_triton, lead, k, outs, kind, ranks, s
         assert_close_scaled(t.grad, ref.grad, atol, rtol, f"d{name}")
 
 
+@pytest.mark.parametrize("case", ["zero rows", "stacked rank over 64", "mixed adapter dtypes"])
+def test_awkward_groups(force_triton, case):
+    """No rows; ranks whose sum passes the low-rank kernel's 64 (``dx`` then takes cuBLAS' ``addmm_``); adapters of
+    two dtypes in one group (each ``dA`` its own matmul, in its adapter's dtype)."""
+    ranks, rows = ((8, 8, 8), 5) if case != "stacked rank over 64" else ((32, 32, 16), 5)
+    rows = 0 if case == "zero rows" else rows
+    projections = group("nf4-nested", 64, (64, 32, 32), ranks, (2.0, 1.0, 0.5), torch.bfloat16)
+    if case == "mixed adapter dtypes":
+        p = projections[1]
+        projections[1] = p._replace(lora_a=p.lora_a.detach().float().requires_grad_(),
+                                    lora_b=p.lora_b.detach().float().requires_grad_())  # fmt: skip
+    x = torch.randn(rows, 64).bfloat16().requires_grad_()
+    ys = lora_linear_group(x, projections)
+    x_ref, twins = fp32_twin(x, projections)
+    ys_ref = separate_fp32(x_ref, twins)
+    grads = [torch.randn_like(y) for y in ys_ref]
+    torch.autograd.backward(ys, [g.bfloat16() for g in grads])
+    torch.autograd.backward(ys_ref, grads)
+    for y, y_ref in zip(ys, ys_ref):
+        assert y.shape == y_ref.shape
+        assert_close_scaled(y, y_ref, 3e-2, 3e-2, "y")
+    for name, t, ref in zip(names_of(projections), leaves_of(x, projections), leaves_of(x_ref, twins)):
+        assert t.grad is not None and t.grad.dtype == t.dtype and t.grad.shape == t.shape, name
+        assert_close_scaled(t.grad, ref.grad, 3e-2, 3e-2, f"d{name}")
+
+
 def test_an_unused_output_counts_as_a_zero_grad(force_triton):
     """A graph that uses some outputs only (the others' grads are None, never materialised as zeros): the grads are
     those of the used projections alone, and the unused projection's adapter gets none."""
