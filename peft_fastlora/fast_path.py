@@ -40,6 +40,7 @@ from ._forward import set_instance_forward
 from .fused_loss import apply_fused_loss, fused_loss_refusal, plain_head
 from .ops import LoraProjection, lora_mlp, lora_mlp_fusable, swiglu_lora_linear
 from .projection_group import group_projections as group_projections_of
+from .projection_group import plain_lora_projections
 
 logger = logging.getLogger(__name__)
 
@@ -303,20 +304,12 @@ def _lora_projections(mlp: nn.Module, hidden_states: torch.Tensor) -> Optional[t
     and no bias (and the compute dtype is not fp16, whose overflow guard runs per layer); else None."""
     from .layer import FastLoraLayer
 
-    layers = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    layers = [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     if not all(isinstance(layer, FastLoraLayer) for layer in layers):
         return None
-    device_type = hidden_states.device.type
-    autocast = torch.is_autocast_enabled(device_type)
-    if (torch.get_autocast_dtype(device_type) if autocast else hidden_states.dtype) == torch.float16:
+    projections = plain_lora_projections(layers, hidden_states)
+    if projections is None or any(p.bias is not None for p in projections):
         return None
-    projections = []
-    for layer in layers:
-        args = layer.single_adapter_args(hidden_states)
-        if args is None or args[1] is not None:
-            return None
-        weight, _, lora_a, lora_b, scaling = args
-        projections.append(LoraProjection(weight, lora_a, lora_b, scaling))
     return tuple(projections) if lora_mlp_fusable(*projections) else None
 
 

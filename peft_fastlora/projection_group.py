@@ -36,11 +36,13 @@ class ProjectionGroup:
 
     Args:
         layers (`list[FastLoraLayer]`): The members, at least two, each with one ``in_features``.
+        names (`list[str]`): Their attribute names in the owning module, for the warning.
         owner (`str`): The owning module's class name, for the warning.
     """
 
-    def __init__(self, layers: list[nn.Module], owner: str):
+    def __init__(self, layers: list[nn.Module], names: list[str], owner: str):
         self.layers = layers
+        self.names = names
         self.owner = owner
         self.enabled = True
         self._input: Optional[torch.Tensor] = None
@@ -60,7 +62,7 @@ class ProjectionGroup:
                 return out
             self._turn_off()  # a member called on another input while outputs were left untaken
             return type(layer).forward(layer, x)
-        projections = self._projections(x)
+        projections = plain_lora_projections(self.layers, x)
         if projections is None:
             return type(layer).forward(layer, x)
         outs = lora_linear_group(x, projections)
@@ -68,31 +70,29 @@ class ProjectionGroup:
         self._input, self._version = x, x._version
         return outs[index]
 
-    def _projections(self, x: torch.Tensor) -> Optional[list[LoraProjection]]:
-        """Every member as a [`LoraProjection`] when each is one plain-adapter op on ``x`` (and the compute dtype is
-        not fp16, whose overflow guard runs per layer); else None."""
-        device_type = x.device.type
-        autocast = torch.is_autocast_enabled(device_type)
-        if (torch.get_autocast_dtype(device_type) if autocast else x.dtype) == torch.float16:
-            return None
-        projections = []
-        for layer in self.layers:
-            args = layer.single_adapter_args(x)
-            if args is None:
-                return None
-            weight, bias, lora_a, lora_b, scaling = args
-            projections.append(LoraProjection(weight, lora_a, lora_b, scaling, bias))
-        return projections
-
     def _turn_off(self) -> None:
         self.enabled = False
         self._pending, self._input = {}, None
         warnings.warn(f"FastLoRA fast path: {self.owner} does not call {', '.join(self.names)} on one input one "
                       f"after the other; its projections now run as separate ops.", stacklevel=4)  # fmt: skip
 
-    @property
-    def names(self) -> list[str]:
-        return [getattr(layer, "_fastlora_group_name", type(layer).__name__) for layer in self.layers]
+
+def plain_lora_projections(layers: list[nn.Module], x: torch.Tensor) -> Optional[list[LoraProjection]]:
+    """FastLoRA ``layers`` as [`LoraProjection`]s (biases included) when each one's forward on ``x`` would be one
+    plain-adapter op (``single_adapter_args``) and the compute dtype is not fp16, whose overflow guard runs per layer;
+    else None. What the fused ops of the fast path (projection groups, the whole LoRA MLP) take."""
+    device_type = x.device.type
+    autocast = torch.is_autocast_enabled(device_type)
+    if (torch.get_autocast_dtype(device_type) if autocast else x.dtype) == torch.float16:
+        return None
+    projections = []
+    for layer in layers:
+        args = layer.single_adapter_args(x)
+        if args is None:
+            return None
+        weight, bias, lora_a, lora_b, scaling = args
+        projections.append(LoraProjection(weight, lora_a, lora_b, scaling, bias))
+    return projections
 
 
 def _member_forward(layer: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -117,10 +117,9 @@ def group_projections(blocks: list[nn.Module]) -> int:
                 continue
             if len({layer.in_features for layer in layers}) != 1:
                 continue
-            group = ProjectionGroup(layers, type(module).__name__)
-            for index, (name, layer) in enumerate(zip(names, layers)):
+            group = ProjectionGroup(layers, names, type(module).__name__)
+            for index, layer in enumerate(layers):
                 layer.__dict__[_GROUP] = (group, index)
-                layer.__dict__["_fastlora_group_name"] = name
                 set_instance_forward(layer, _member_forward)
             grouped += 1
     return grouped

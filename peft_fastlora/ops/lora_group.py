@@ -35,7 +35,7 @@ def group_forward(x: torch.Tensor, projections: Sequence[LoraProjection]) -> tup
     """``([y_1, ..., y_n], xa)`` for a 2-D ``x`` (M, K): each ``y_i`` (M, N_i) in ``x.dtype``, and ``xa = x @ [A_1 ;
     ... ; A_n].T`` (M, r_1 + ... + r_n), kept for backward."""
     dtype = x.dtype
-    xa = torch.mm(x, torch.cat([_cast(p.lora_a, dtype) for p in projections]).t())
+    xa = torch.mm(x, _stacked_a(projections, dtype).t())
     outs, col = [], 0
     for p in projections:
         r = p.lora_a.shape[0]
@@ -79,27 +79,34 @@ def group_backward(grads: Sequence[Optional[torch.Tensor]], x: Optional[torch.Te
         if need_dx:
             dx = _input_grad(g, p.weight, accumulate=dx)  # the first makes dx, the others add into it in cuBLAS
     if any(need_da for _, need_da, _ in needs):
-        per = _add_lora_a_grads(per, t, x, projections, grads, needs)
+        das = _lora_a_grads(t, x, projections, [need_da and g is not None for g, (_, need_da, _) in zip(grads, needs)])
+        per = [(dbias, da, db) for (dbias, _, db), da in zip(per, das)]
     if dx is not None:
-        add_low_rank_(dx, t, torch.cat([_cast(p.lora_a, dtype) for p in projections]).t(), 1.0)  # dx += t @ A
+        add_low_rank_(dx, t, _stacked_a(projections, dtype).t(), 1.0)  # dx += t @ A
     return dx, per
 
 
-def _add_lora_a_grads(per: list[tuple], t: torch.Tensor, x: torch.Tensor, projections: Sequence[LoraProjection],
-                      grads: Sequence[Optional[torch.Tensor]], needs: Sequence[tuple[bool, bool, bool]]) -> list:
-    """``per`` with each needed ``dA_i = t_i.T @ x`` filled in: one matmul over ``x`` where the adapters share a
-    dtype."""
+def _stacked_a(projections: Sequence[LoraProjection], dtype: torch.dtype) -> torch.Tensor:
+    """``[A_1 ; ... ; A_n]`` (r_1 + ... + r_n, K) in ``dtype``."""
+    return torch.cat([_cast(p.lora_a, dtype) for p in projections])
+
+
+def _lora_a_grads(t: torch.Tensor, x: torch.Tensor, projections: Sequence[LoraProjection],
+                  wanted: Sequence[bool]) -> list[Optional[torch.Tensor]]:  # fmt: skip
+    """``dA_i = t_i.T @ x`` in each adapter's dtype where ``wanted[i]`` (else None), ``t`` the stacked ``t_i``: one
+    matmul over ``x`` where the adapters share a dtype."""
     adapter_dtypes = {p.lora_a.dtype for p in projections}
     da_all = _matmul(t.t(), x, adapter_dtypes.pop()) if len(adapter_dtypes) == 1 else None
-    out, row = [], 0
-    for p, g, (dbias, _, db), (_, need_da, _) in zip(projections, grads, per, needs):
+    das, row = [], 0
+    for p, want in zip(projections, wanted):
         r = p.lora_a.shape[0]
-        da = None
-        if need_da and g is not None:
-            da = da_all[row : row + r] if da_all is not None else _matmul(t[:, row : row + r].t(), x, p.lora_a.dtype)
-        out.append((dbias, da, db))
+        rows = slice(row, row + r)
+        if not want:
+            das.append(None)
+        else:
+            das.append(da_all[rows] if da_all is not None else _matmul(t[:, rows].t(), x, p.lora_a.dtype))
         row += r
-    return out
+    return das
 
 
 class LoraGroupFunction(torch.autograd.Function):
