@@ -254,7 +254,8 @@ def wrap(model, provider: str, args):
         extra = {"adapter_dtype": "bf16"} if args.adapter_dtype == "bf16" else {}
         model = get_peft_model(model, peft_fastlora.FastLoraConfig(**common, **extra))
         if tuner in FAST_PATH_OPTIONS:
-            report = peft_fastlora.enable_fast_path(model, **FAST_PATH_OPTIONS[tuner])
+            options = {**FAST_PATH_OPTIONS[tuner], "recompute_last_block": args.recompute_last_block}
+            report = peft_fastlora.enable_fast_path(model, **options)
             print(f"  {provider}: {report.summary()}", flush=True)
     else:
         model = get_peft_model(model, LoraConfig(**common))
@@ -697,6 +698,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-gen", action="store_true", help="skip generation")
     p.add_argument("--lora-dropout", type=float, default=0.0)
     p.add_argument("--reentrant", action="store_true", help="reentrant gradient checkpointing (default: non-reentrant)")
+    p.add_argument("--recompute-last-block", action="store_true",
+                   help="fast-path providers: checkpoint the last decoder block too (enable_fast_path's "
+                        "recompute_last_block=True; default: its activations are kept)")
     p.add_argument("--adapter-dtype", default="default", choices=["default", "bf16"],
                    help="default: what get_peft_model gives (PEFT upcasts its adapters to fp32, FastLoRA follows "
                         "its adapter_dtype policy: bf16 here); bf16: bf16 adapters for every provider")

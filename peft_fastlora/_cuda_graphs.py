@@ -70,10 +70,24 @@ class RngState:
             torch.cuda.set_rng_state(state, device)
 
 
+# The side stream of every warm-up and recording, one per device. cuBLAS keeps a workspace for each stream it has run
+# on (allocated through torch's caching allocator and freed only by torch._C._cuda_clearCublasWorkspaces), so a new
+# stream per recording left one more workspace allocated each time a step or a generation was recorded again.
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(device: Optional[int] = None) -> torch.cuda.Stream:
+    """The side stream that warm-ups and recordings on ``device`` (default: the current one) run on."""
+    index = torch.cuda.current_device() if device is None else device
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+    return _SIDE_STREAMS[index]
+
+
 def warm_up(function: Callable[[], None]) -> torch.cuda.Stream:
-    """Runs ``function`` (real work: Triton compiles, cuBLAS sets up the stream's workspace, Inductor compiles) on a
-    new side stream and makes the current stream wait for it; returns that stream, to record on."""
-    stream = torch.cuda.Stream()
+    """Runs ``function`` (real work: Triton compiles, cuBLAS sets up the stream's workspace, Inductor compiles) on the
+    device's [`side_stream`] and makes the current stream wait for it; returns that stream, to record on."""
+    stream = side_stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         function()

@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from ._cuda_graphs import RecordedModel, RngState, record, warm_up
-from .fast_path import OFFLOAD_HOOKS, transformers_model
+from .block_checkpointing import OFFLOAD_HOOKS
+from .fast_path import transformers_model
 
 # Adam and AdamW can run their update inside a CUDA graph (``capturable=True``, or ``fused=True``) with their step
 # counts on the device and a tensor learning rate; other optimizers either cannot, or create state whose first value

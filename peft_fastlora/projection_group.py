@@ -6,10 +6,11 @@ The module's own forward is left alone (every architecture writes its own): each
 that goes through its module's [`ProjectionGroup`]. The first projection called on an input computes every member's
 output in one op and returns its own; the others, called next on the same tensor (unchanged since), take theirs. That
 holds for the attention modules of transformers' decoders (``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)`` on one
-``hidden_states``) and their gated MLPs (``gate_proj(x)``, ``up_proj(x)``; with the fast path's fused MLP,
-``fuse_mlp=True``, too; ``fuse_mlp="all"`` has its own op and never calls them). A module that does otherwise (an output
-left untaken when the next input arrives) would waste the work: its group then turns itself off, with one warning, and
-its projections run alone.
+``hidden_states``) and their gated MLPs (``gate_proj(x)``, ``up_proj(x)``). The fast path's fused MLP
+(``fuse_mlp=True``) runs a gate/up group itself ([`grouped`] says whether there is one), through
+``ops.grouped_lora_mlp``, whose SwiGLU kernels add the group's LoRA terms; ``fuse_mlp="all"`` has its own op. A
+module that does otherwise (an output left untaken when the next input arrives) would waste the work: its group then
+turns itself off, with one warning, and its projections run alone.
 
 Only training forwards group (grad enabled, eager: ``torch.compile`` traces the separate ops, which it compiles without
 graph breaks); generation and evaluation keep each layer's own path (the small-M decode kernel).
@@ -93,6 +94,16 @@ def plain_lora_projections(layers: list[nn.Module], x: torch.Tensor) -> Optional
         weight, bias, lora_a, lora_b, scaling = args
         projections.append(LoraProjection(weight, lora_a, lora_b, scaling, bias))
     return projections
+
+
+def grouped(layers: list[nn.Module]) -> bool:
+    """Whether ``layers`` are, in order, the members of one projection group that has not turned itself off (the fast
+    path's SwiGLU MLP then runs gate and up through the group's op itself: ``ops.grouped_lora_mlp``)."""
+    entry = layers[0].__dict__.get(_GROUP)
+    if entry is None or not entry[0].enabled:
+        return False
+    members = entry[0].layers
+    return len(members) == len(layers) and all(a is b for a, b in zip(members, layers))
 
 
 def _member_forward(layer: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 from peft import get_peft_model
 
 import peft_fastlora
-from peft_fastlora import fast_path
+from peft_fastlora import block_checkpointing, fast_path
 from peft_fastlora.ops import FORCE_TRITON_ENV
 from tests.utils import TINY_LLAMA, fast_config, load_quantized, save_tiny_llama, saved_bytes, tiny_tokenizer, tokens
 
@@ -201,27 +201,34 @@ def _count_calls(monkeypatch, name: str) -> list[int]:
     return calls
 
 
+def _block_forwards_with_grad(ckpt: str) -> int:
+    """Block forwards with grad enabled in a fast-path training step of the tiny model: non-reentrant checkpointing
+    runs each block twice with grad, reentrant runs the first forward without (the module's math, nothing to fuse
+    for) and the recompute with; the last block is not checkpointed (``recompute_last_block=False``), so it runs
+    once, with grad."""
+    layers = TINY_LLAMA["num_hidden_layers"]
+    return {"off": layers, "non-reentrant": 2 * layers - 1, "reentrant": layers}[ckpt]
+
+
 @pytest.mark.parametrize("ckpt", ["off", "non-reentrant", "reentrant"])
 def test_whole_lora_mlp_matches_the_module_math(tiny_llama_blocks_path, monkeypatch, ckpt):
     """With ``fuse_mlp="all"``, MLPs of whole absmax blocks with plain adapters on all three projections train
     through the whole-MLP op (each LoRA term inside its matmul) in every layer; loss and every LoRA grad match the
-    unfused model's within bf16 rounding, and the default (``fuse_mlp=True``) keeps the down projection fusion
-    only."""
+    unfused model's within bf16 rounding, and the default (``fuse_mlp=True``) runs gate/up as a projection group
+    into the fused down projection instead (``grouped_lora_mlp``)."""
     if not torch.cuda.is_available():
         monkeypatch.setenv(FORCE_TRITON_ENV, "1")
     plain, whole, down = (fastlora_model(tiny_llama_blocks_path) for _ in range(3))
     assert peft_fastlora.enable_fast_path(whole, liger=False, fuse_mlp="all").fused_mlps == 2
     assert peft_fastlora.enable_fast_path(down, liger=False).fused_mlps == TINY_LLAMA["num_hidden_layers"]
-    whole_calls, down_calls = _count_calls(monkeypatch, "lora_mlp"), _count_calls(monkeypatch, "swiglu_lora_linear")
+    whole_calls, down_calls = _count_calls(monkeypatch, "lora_mlp"), _count_calls(monkeypatch, "grouped_lora_mlp")
     for model in (plain, whole, down):
         set_checkpointing(model, ckpt)
         model.train()
     ids = tokens(rows=2, seq=8)
     loss_plain, grads_plain = _loss_and_grads(plain, ids)
     loss_whole, grads_whole = _loss_and_grads(whole, ids)
-    # non-reentrant checkpointing runs the forward twice with grad; reentrant runs the first one without (the
-    # module's math, nothing to fuse for) and the recompute with
-    forwards = TINY_LLAMA["num_hidden_layers"] * (2 if ckpt == "non-reentrant" else 1)
+    forwards = _block_forwards_with_grad(ckpt)
     assert whole_calls[0] == forwards and down_calls[0] == 0
     _loss_and_grads(down, ids)
     assert whole_calls[0] == forwards and down_calls[0] == forwards
@@ -288,16 +295,16 @@ def test_projection_groups_match_the_module_math(tmp_path, monkeypatch, model_ty
     report = peft_fastlora.enable_fast_path(fused, liger=False)
     layers = TINY_LLAMA["num_hidden_layers"]
     assert report.projection_groups == 2 * layers and "projection groups: 4" in report.summary()
-    calls = _count_group_calls(monkeypatch)
+    calls, mlp_calls = _count_group_calls(monkeypatch), _count_calls(monkeypatch, "grouped_lora_mlp")
     for model in (plain, fused):
         set_checkpointing(model, ckpt)
         model.train()
     ids = tokens(rows=2, seq=8)
     loss_plain, grads_plain = _loss_and_grads(plain, ids)
-    assert calls[0] == 0
+    assert calls[0] == mlp_calls[0] == 0
     loss_fused, grads_fused = _loss_and_grads(fused, ids)
-    forwards = layers * (2 if ckpt == "non-reentrant" else 1)  # reentrant: the first forward has no grad
-    assert calls[0] == 2 * forwards  # q/k/v and gate/up
+    forwards = _block_forwards_with_grad(ckpt)
+    assert calls[0] == mlp_calls[0] == forwards  # q/k/v; gate/up inside the fused MLP
     torch.testing.assert_close(loss_fused, loss_plain, atol=1e-4, rtol=1e-4)
     assert grads_fused.keys() == grads_plain.keys() and any("k_proj" in n for n in grads_fused)
     k_proj = fused.get_base_model().model.layers[0].self_attn.k_proj
@@ -307,7 +314,7 @@ def test_projection_groups_match_the_module_math(tmp_path, monkeypatch, model_ty
         torch.testing.assert_close(grads_fused[name], grad, atol=2e-2 * scale, rtol=2e-2, msg=name)
     with torch.no_grad():
         torch.testing.assert_close(fused(input_ids=ids).logits, plain(input_ids=ids).logits, atol=0, rtol=0)
-    assert calls[0] == 2 * forwards
+    assert calls[0] == mlp_calls[0] == forwards
 
 
 def test_projection_group_turns_itself_off_for_a_module_that_calls_otherwise(tiny_llama_path, monkeypatch):
@@ -403,6 +410,61 @@ def test_not_a_transformers_model_is_refused():
         peft_fastlora.enable_fast_path(torch.nn.Linear(2, 2))
 
 
+def _attention_calls(model) -> list[int]:
+    """Per decoder block, how often its attention runs (inside the checkpointed forward: recomputes count)."""
+    calls = [0] * TINY_LLAMA["num_hidden_layers"]
+    for i, block in enumerate(fast_path.decoder_blocks(model.get_base_model())):
+        block.self_attn.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("ckpt", ["non-reentrant", "reentrant"])
+def test_last_block_is_not_recomputed_and_the_step_is_unchanged(tiny_llama_path, ckpt):
+    """Under gradient checkpointing the fast path runs the last block once (its backward follows the loss at once);
+    loss and grads are those of the step that recomputes it, bit for bit. Enabling checkpointing again (as the
+    Trainer does at ``train()``) keeps the policy; ``recompute_last_block=True`` checkpoints every block."""
+    ids = tokens(rows=2, seq=8)
+    kept, recomputed = fastlora_model(tiny_llama_path), fastlora_model(tiny_llama_path)
+    report = peft_fastlora.enable_fast_path(kept, liger=False)
+    assert report.last_block_kept and "last block recomputed under checkpointing: no" in report.summary()
+    assert not peft_fastlora.enable_fast_path(recomputed, liger=False, recompute_last_block=True).last_block_kept
+    results = {}
+    for name, model in (("kept", kept), ("recomputed", recomputed)):
+        model.train()
+        set_checkpointing(model, "off")
+        set_checkpointing(model, ckpt)  # set anew after the fast path, as the Trainer does
+        calls = _attention_calls(model)
+        results[name] = _loss_and_grads(model, ids)
+        assert calls == ([2, 1] if name == "kept" else [2, 2])  # reentrant: the first forward counts, without grad
+    (loss_k, grads_k), (loss_r, grads_r) = results["kept"], results["recomputed"]
+    assert grads_k.keys() == grads_r.keys() and len(grads_k) == 28
+    if ckpt == "non-reentrant":
+        assert torch.equal(loss_k, loss_r)
+        for name in grads_k:
+            assert torch.equal(grads_k[name], grads_r[name]), name
+    else:  # the reentrant loss comes from forwards without grad (the module's math) but for the kept block's (fused)
+        torch.testing.assert_close(loss_k, loss_r, atol=1e-3, rtol=1e-3)
+        for name in grads_k:  # the backward's recompute is the same; its inputs differ by that rounding
+            scale = grads_r[name].abs().max().item()
+            torch.testing.assert_close(grads_k[name], grads_r[name], atol=2e-2 * scale, rtol=2e-2, msg=name)
+
+
+def test_the_checkpoint_policy_survives_copies(tiny_llama_path):
+    """A deep copy or an unpickled fast-path model keeps its policy, bound to its own blocks (checkpointing enabled on
+    the copy: transformers' own input hook of a checkpointed model does not pickle)."""
+    import copy
+    import pickle
+
+    model = fastlora_model(tiny_llama_path)
+    peft_fastlora.enable_fast_path(model, liger=False)
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        copied.train()
+        set_checkpointing(copied, "non-reentrant")
+        calls = _attention_calls(copied)
+        _loss_and_grads(copied, tokens(rows=2, seq=8))
+        assert calls == [2, 1]
+
+
 def test_offload_on_cpu_is_a_noted_no_op(tiny_llama_path):
     model = fastlora_model(tiny_llama_path)
     report = peft_fastlora.enable_fast_path(model, liger=False, offload_activations=True)
@@ -435,35 +497,47 @@ def test_compiled_generation_matches_eager_and_restores(tiny_llama_path):
 
 
 @pytest.mark.gpu
-def test_offloaded_checkpointing_matches_and_moves_inputs_to_cpu(tiny_llama_path, monkeypatch):
+@pytest.mark.parametrize("min_bytes", [0, 1 << 14])  # every saved input; the hidden states only (32 KiB)
+def test_offloaded_checkpointing_matches_and_moves_inputs_to_cpu(tiny_llama_path, monkeypatch, min_bytes):
+    """Offloaded block inputs come back bit-identical; one GPU tensor waits for its copy to the host at a time, none
+    after backward; restoring a block's inputs starts the copy back of what was offloaded before them, and every such
+    copy is taken (none left behind on the side stream)."""
     ids = torch.randint(3, 128, (2, 64), device="cuda")
-    packed = []
-    original = fast_path._pack
+    packed, waiting, ahead = [], [], []
+    original_pack, original_ahead = block_checkpointing._pack, block_checkpointing._Offloaded.restore_ahead
 
-    waiting = []
-
-    def recording_pack(hooks, min_bytes, tensor):
-        out = original(hooks, 0, tensor)  # every size: the tiny model's activations are small
+    def recording_pack(hooks, _, tensor):
+        out = original_pack(hooks, min_bytes, tensor)  # the tiny model's activations are small
         packed.append(not isinstance(out, torch.Tensor))
         waiting.append(len(hooks.pending))  # the copy just started; the ones before it are released
         return out
 
-    monkeypatch.setattr(fast_path, "_pack", recording_pack)  # before the hooks bind it
+    def recording_ahead(item, side):
+        ahead.append(item)
+        return original_ahead(item, side)
+
+    monkeypatch.setattr(block_checkpointing, "_pack", recording_pack)  # before the hooks bind it
+    monkeypatch.setattr(block_checkpointing._Offloaded, "restore_ahead", recording_ahead)
     plain, fast = fastlora_model(tiny_llama_path, device="cuda"), fastlora_model(tiny_llama_path, device="cuda")
     report = peft_fastlora.enable_fast_path(fast, liger=False, offload_activations=True, fuse_mlp=False,
-                                            group_projections=False, fused_loss=False)  # the offload alone: same bits
+                                            group_projections=False, fused_loss=False,
+                                            recompute_last_block=True)  # the offload alone, of both blocks: same bits
     assert report.offload_activations
     for model in (plain, fast):
         model.train()
         set_checkpointing(model, "non-reentrant")
-    loss_p, grads_p = loss_and_grads(plain, ids)
-    loss_f, grads_f = loss_and_grads(fast, ids)
-    assert any(packed), "no checkpointed input went to CPU memory"
-    hooks = fast_path.transformers_model(fast).__dict__[fast_path.OFFLOAD_HOOKS]
-    assert max(waiting) == 1 and hooks.pending == []  # one GPU tensor held at a time; none after backward
-    assert torch.equal(loss_p, loss_f)
-    for name in grads_p:
-        assert torch.equal(grads_p[name], grads_f[name]), name
+    hooks = fast_path.transformers_model(fast).__dict__[block_checkpointing.OFFLOAD_HOOKS]
+    for _ in range(2):  # the second step starts with what the first left
+        loss_p, grads_p = loss_and_grads(plain, ids)
+        loss_f, grads_f = loss_and_grads(fast, ids)
+        assert sum(packed) >= 2, "the two block inputs did not go to CPU memory"
+        assert max(waiting) == 1 and hooks.pending == []  # one GPU tensor held at a time; none after backward
+        assert ahead and all(item.ahead is None for item in ahead)  # restored ahead, and every one taken
+        assert hooks.offloaded == []  # everything offloaded came back
+        assert torch.equal(loss_p, loss_f)
+        for name in grads_p:
+            assert torch.equal(grads_p[name], grads_f[name]), name
+        packed.clear(), waiting.clear(), ahead.clear()
 
 
 @pytest.fixture
@@ -581,8 +655,10 @@ def _train_moves_every_adapter(trainer, model) -> list[float]:
 
 
 def _forwards_per_step(model) -> int:
-    """Block forwards per training step: SFTConfig checkpoints by default, and the recompute runs each block again."""
-    return 2 if model.get_base_model().is_gradient_checkpointing else 1
+    """Block forwards per training step: SFTConfig checkpoints by default, and the recompute runs each block again but
+    the last (the fast path keeps its activations)."""
+    layers = TINY_LLAMA["num_hidden_layers"]
+    return 2 * layers - 1 if model.get_base_model().is_gradient_checkpointing else layers
 
 
 def test_sft_trainer_trains_through_the_fused_mlp(tiny_llama_path, tmp_path, monkeypatch):
@@ -592,10 +668,10 @@ def test_sft_trainer_trains_through_the_fused_mlp(tiny_llama_path, tmp_path, mon
         monkeypatch.setenv(FORCE_TRITON_ENV, "1")
     model = fastlora_model(tiny_llama_path)
     assert peft_fastlora.enable_fast_path(model, liger=False).fused_mlps == TINY_LLAMA["num_hidden_layers"]
-    calls = _count_calls(monkeypatch, "swiglu_lora_linear")
+    calls = _count_calls(monkeypatch, "grouped_lora_mlp")
     trainer = _sft_trainer(model, tmp_path, "cpu", steps=3)
     _train_moves_every_adapter(trainer, model)
-    assert calls[0] == 3 * TINY_LLAMA["num_hidden_layers"] * _forwards_per_step(model)
+    assert calls[0] == 3 * _forwards_per_step(model)
 
 
 @pytest.mark.gpu
@@ -615,10 +691,10 @@ def test_sft_trainer_after_enable_fast_path_on_gpu(tiny_llama_path, tmp_path, re
     model = fastlora_model(tiny_llama_path, device="cuda")
     report = peft_fastlora.enable_fast_path(model, liger=True)
     assert report.fused_mlps == TINY_LLAMA["num_hidden_layers"] and "rms_norm" in report.liger_kernels
-    calls = _count_calls(monkeypatch, "swiglu_lora_linear")
+    calls = _count_calls(monkeypatch, "grouped_lora_mlp")
     trainer = _sft_trainer(model, tmp_path, "cuda", steps=4)
     _train_moves_every_adapter(trainer, model)
-    assert calls[0] == 4 * TINY_LLAMA["num_hidden_layers"] * _forwards_per_step(model)
+    assert calls[0] == 4 * _forwards_per_step(model)
     assert _has_liger_rms_norm(model)
 
 

@@ -328,6 +328,24 @@ def test_recorded_step_trains_like_the_eager_step(tiny_llama_path, fast_path, ck
 
 
 @pytest.mark.gpu
+def test_recording_again_leaves_no_memory_behind(tiny_llama_path):
+    """A step recorded, released and recorded again (a new GraphedTrainStep, as after a model change) ends with the
+    memory the first one left: recordings share one side stream per device, so cuBLAS sets up no new workspace."""
+    model = _model(tiny_llama_path, device="cuda")
+    optimizer, _ = _optimizer(model)
+    (batch,) = _batches(1, device="cuda")
+    allocated = []
+    for _ in range(3):
+        step = peft_fastlora.GraphedTrainStep(model, optimizer, batch, autocast_dtype=torch.bfloat16)
+        step(batch)
+        step.release()
+        del step
+        torch.cuda.synchronize()
+        allocated.append(torch.cuda.memory_allocated())
+    assert allocated[2] == allocated[1], allocated
+
+
+@pytest.mark.gpu
 def test_recorded_attention_is_causal_by_kernel(tiny_llama_path, monkeypatch):
     """transformers builds a full causal mask while a stream captures; the recording must still run SDPA with
     ``is_causal`` (3x faster attention on an H100) when the batch has no padding."""

@@ -5,7 +5,8 @@
 - ``quant_state.py``: the weight containers the ops take ([`Packed4bit`], [`Int8Rowwise`]);
 - ``reference.py``: the pure-torch twins (the CPU path);
 - ``lora_linear.py`` and ``custom_ops.py``: the training path's autograd wrapper and the ``torch.library`` ops;
-- ``swiglu_lora.py``: [`swiglu_lora_linear`], the MLP down projection fused with its SwiGLU (keeps no ``h``);
+- ``swiglu_lora.py``: [`swiglu_lora_linear`], the MLP down projection fused with its SwiGLU (keeps no ``h``), and
+  [`grouped_lora_mlp`], that with gate/up as a projection group whose LoRA terms the SwiGLU kernels add;
 - ``lora_mlp.py``: [`lora_mlp`], a whole SwiGLU MLP of three LoRA projections, each LoRA term inside its matmul;
 - ``lora_group.py``: [`lora_linear_group`], LoRA projections of one input (q, k, v) as one op;
 - ``linear_cross_entropy.py``: [`linear_cross_entropy`], the LM head fused with its loss (no full logits);
@@ -22,7 +23,7 @@ from .lora_group import LoraGroupFunction, lora_linear_group
 from .lora_linear import LoraLinearFunction
 from .lora_mlp import LoraGateUpFunction, LoraProjection, SwiGLUDownFunction, lora_mlp, lora_mlp_fusable
 from .quant_state import Int8Rowwise, Packed4bit, QuantizedWeight
-from .swiglu_lora import SwiGLULoraFunction, swiglu_lora_linear
+from .swiglu_lora import SwiGLULoraFunction, grouped_lora_mlp, swiglu_lora_linear
 
 __all__ = [
     "FORCE_TRITON_ENV",
@@ -38,6 +39,7 @@ __all__ = [
     "SwiGLULoraFunction",
     "dequantize",
     "fastlora_linear",
+    "grouped_lora_mlp",
     "linear_cross_entropy",
     "lora_linear_group",
     "lora_mlp",

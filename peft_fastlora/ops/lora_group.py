@@ -31,35 +31,41 @@ from .lora_linear import _base_matmul, _cast, _input_grad, _matmul, add_low_rank
 from .lora_mlp import LoraProjection, _scaled_mm_into
 
 
-def group_forward(x: torch.Tensor, projections: Sequence[LoraProjection]) -> tuple[list[torch.Tensor], torch.Tensor]:
+def group_forward(x: torch.Tensor, projections: Sequence[LoraProjection],
+                  add_low_rank: bool = True) -> tuple[list[torch.Tensor], torch.Tensor]:  # fmt: skip
     """``([y_1, ..., y_n], xa)`` for a 2-D ``x`` (M, K): each ``y_i`` (M, N_i) in ``x.dtype``, and ``xa = x @ [A_1 ;
-    ... ; A_n].T`` (M, r_1 + ... + r_n), kept for backward."""
+    ... ; A_n].T`` (M, r_1 + ... + r_n), kept for backward. ``add_low_rank=False``: the ``y_i`` are the base terms
+    only (bias included), for a caller that adds ``s_i xa_i @ B_i.T`` in its own pass over them."""
     dtype = x.dtype
     xa = torch.mm(x, _stacked_a(projections, dtype).t())
     outs, col = [], 0
     for p in projections:
         r = p.lora_a.shape[0]
         out = _base_matmul(x, p.weight, p.bias)
-        add_low_rank_(out, xa[:, col : col + r], _cast(p.lora_b, dtype), p.scaling)
+        if add_low_rank:
+            add_low_rank_(out, xa[:, col : col + r], _cast(p.lora_b, dtype), p.scaling)
         outs.append(out)
         col += r
     return outs, xa
 
 
 def group_backward(grads: Sequence[Optional[torch.Tensor]], x: Optional[torch.Tensor], xa: torch.Tensor,
-                   projections: Sequence[LoraProjection], need_dx: bool,
-                   needs: Sequence[tuple[bool, bool, bool]]) -> tuple[Optional[torch.Tensor], list[tuple]]:  # fmt: skip
+                   projections: Sequence[LoraProjection], need_dx: bool, needs: Sequence[tuple[bool, bool, bool]],
+                   grad_xa: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], list[tuple]]:  # fmt: skip
     """``(dx, [(dbias_i, dA_i, dB_i), ...])`` of [`group_forward`] from the outputs' grads (None: that output was not
     used, its grad is zero); ``needs[i]`` says whether ``(bias_i, A_i, B_i)`` need a grad, ``x`` (M, K) is needed only
-    for the ``dA``s. An entry is None when not needed."""
+    for the ``dA``s. An entry is None when not needed.
+
+    ``grad_xa``: the grad of ``xa`` (M, r_1 + ... + r_n) for a forward with ``add_low_rank=False``, whose caller
+    added the low-rank terms: it is the stacked ``t_i = s_i g_i @ B_i``, and the ``dB_i`` are that caller's."""
     present = [g for g in grads if g is not None]
     per: list[tuple] = [(None, None, None)] * len(projections)
-    if not present:
+    if not present and grad_xa is None:
         return None, per
-    dtype = present[0].dtype
+    dtype = (present or [grad_xa])[0].dtype
     rows = xa.shape[0]
     need_t = need_dx or any(need_da for _, need_da, _ in needs)
-    t = torch.empty(rows, xa.shape[1], dtype=dtype, device=xa.device) if need_t else None
+    t = grad_xa if grad_xa is not None or not need_t else torch.empty(rows, xa.shape[1], dtype=dtype, device=xa.device)
     dx = None
     col = 0
     for i, (p, g, (need_dbias, _, need_db)) in enumerate(zip(projections, grads, needs)):
@@ -67,13 +73,13 @@ def group_backward(grads: Sequence[Optional[torch.Tensor]], x: Optional[torch.Te
         cols = slice(col, col + r)
         col += r
         if g is None:
-            if t is not None:
+            if t is not None and grad_xa is None:
                 t[:, cols].zero_()
             continue
         g = g.reshape(rows, p.weight.shape[0])  # (not -1: ambiguous at zero rows)
-        if t is not None:
+        if t is not None and grad_xa is None:
             _scaled_mm_into(t[:, cols], g, _cast(p.lora_b, dtype), p.scaling)
-        db = lora_b_grad(g, xa[:, cols], p.lora_b, p.scaling) if need_db else None
+        db = lora_b_grad(g, xa[:, cols], p.lora_b, p.scaling) if need_db and grad_xa is None else None
         dbias = g.sum(0, dtype=torch.float32).to(p.bias.dtype) if need_dbias else None
         per[i] = (dbias, None, db)
         if need_dx:
@@ -110,27 +116,34 @@ def _lora_a_grads(t: torch.Tensor, x: torch.Tensor, projections: Sequence[LoraPr
 
 
 class LoraGroupFunction(torch.autograd.Function):
-    """``(x, weights, scalings, bias_1, A_1, B_1, ..., bias_n, A_n, B_n) -> (y_1, ..., y_n)`` for a 2-D ``x``; saves
-    ``x`` (only if an ``A`` needs a grad), ``xa`` and the adapters, never a ``W``."""
+    """``(x, weights, scalings, pending, bias_1, A_1, B_1, ..., bias_n, A_n, B_n) -> (y_1, ..., y_n)`` for a 2-D
+    ``x``; saves ``x`` (only if an ``A`` needs a grad), ``xa`` and the adapters, never a ``W``. ``pending``: the
+    outputs are the base terms and ``xa`` is returned last, for a consumer that adds the low-rank terms (the ``B``s
+    are then None: their grads are the consumer's)."""
 
     @staticmethod
-    def forward(ctx, x, weights, scalings, *params):
+    def forward(ctx, x, weights, scalings, pending, *params):
         projections = _projections(weights, scalings, params)
-        outs, xa = group_forward(x, projections)
-        need_da = any(ctx.needs_input_grad[4 + 3 * i] for i in range(len(weights)))
+        outs, xa = group_forward(x, projections, add_low_rank=not pending)
+        need_da = any(ctx.needs_input_grad[5 + 3 * i] for i in range(len(weights)))
         ctx.save_for_backward(x if need_da else None, xa, *params)
-        ctx.weights, ctx.scalings = weights, scalings
+        ctx.weights, ctx.scalings, ctx.pending = weights, scalings, pending
         ctx.set_materialize_grads(False)  # an unused output's grad stays None: no zero tensor made for it
-        return tuple(outs)
+        return (*outs, xa) if pending else tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
         x, xa, *params = ctx.saved_tensors
         projections = _projections(ctx.weights, ctx.scalings, params)
         nig = ctx.needs_input_grad
-        needs = [(nig[3 + 3 * i], nig[4 + 3 * i], nig[5 + 3 * i]) for i in range(len(projections))]
-        dx, per = group_backward(grads, x, xa, projections, nig[0], needs)
-        return (dx, None, None, *(grad for triple in per for grad in triple))
+        needs = [(nig[4 + 3 * i], nig[5 + 3 * i], nig[6 + 3 * i]) for i in range(len(projections))]
+        grad_xa = None
+        if ctx.pending:
+            *grads, grad_xa = grads
+            if grad_xa is None:  # xa unused downstream: its terms added nothing
+                grad_xa = torch.zeros_like(xa)
+        dx, per = group_backward(grads, x, xa, projections, nig[0], needs, grad_xa)
+        return (dx, None, None, None, *(grad for triple in per for grad in triple))
 
 
 def _projections(weights, scalings, params) -> list[LoraProjection]:
@@ -181,7 +194,7 @@ def lora_linear_group(x: torch.Tensor, projections: Sequence[LoraProjection]) ->
     weights = tuple(p.weight for p in projections)
     scalings = tuple(float(p.scaling) for p in projections)
     params = [t for p in projections for t in (p.bias, p.lora_a, p.lora_b)]
-    args = (x.reshape(-1, k), weights, scalings, *params)
+    args = (x.reshape(-1, k), weights, scalings, False, *params)
     if autocast:
         outs = without_autocast(device_type, LoraGroupFunction.apply, *args)
     else:

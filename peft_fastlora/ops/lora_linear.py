@@ -177,6 +177,7 @@ def lora_linear_backward(
     separate_lora_x: bool,
     weight: QuantizedWeight,
     return_t: bool = False,
+    low_rank_into_dx: bool = True,
 ) -> tuple[Optional[torch.Tensor], ...]:
     """Gradients ``(dx, dbias, dA, dB, dlora_x)`` of [`lora_linear_forward`]; an entry is None when not needed.
 
@@ -196,6 +197,8 @@ def lora_linear_backward(
         weight: The quantized base weight; dequantized again here, in ``grad_out.dtype``.
         return_t (`bool`): Also return ``t`` (6th entry; made even if nothing here needs it), for a caller that
             computes dA itself (the fused MLP down projection: from gate and up, without its input ``h``).
+        low_rank_into_dx (`bool`): Whether ``t @ A`` goes into ``dx`` here; `False` returns the base term only, for a
+            caller whose next pass over ``dx`` adds it (the SwiGLU backward of ``swiglu_lora.py``, with ``return_t``).
     """
     need_dx, need_dbias, need_da, need_db, need_dlx = needs
     n, k = weight.shape
@@ -222,7 +225,7 @@ def lora_linear_backward(
             dlx = torch.mm(t, a_cast).view(*grad_out.shape[:-1], k)
     if need_dx:
         dx = _input_grad(g, weight)
-        if t is not None and not separate_lora_x:
+        if t is not None and not separate_lora_x and low_rank_into_dx:
             add_low_rank_(dx, t, a_cast.t(), 1.0)  # dx += (scaling * g @ B) @ A, in place
         dx = dx.view(*grad_out.shape[:-1], k)
     if need_dbias:

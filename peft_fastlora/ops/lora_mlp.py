@@ -273,10 +273,11 @@ class SwiGLUDownFunction(torch.autograd.Function):
 
 
 def lora_mlp_ref(x: torch.Tensor, gate: LoraProjection, up: LoraProjection, down: LoraProjection) -> torch.Tensor:
-    """The plain composition (twin of the fused op): ``down(silu(gate(x)) * up(x))`` through ``fastlora_linear``."""
-    g = fastlora_linear(x, gate.weight, None, gate.lora_a, gate.lora_b, gate.scaling)
-    u = fastlora_linear(x, up.weight, None, up.lora_a, up.lora_b, up.scaling)
-    return fastlora_linear(silu_mul_ref(g, u), down.weight, None, down.lora_a, down.lora_b, down.scaling)
+    """The plain composition (twin of the fused ops, [`lora_mlp`] and ``swiglu_lora.grouped_lora_mlp``):
+    ``down(silu(gate(x)) * up(x))`` through ``fastlora_linear`` (biases included)."""
+    g = fastlora_linear(x, gate.weight, gate.bias, gate.lora_a, gate.lora_b, gate.scaling)
+    u = fastlora_linear(x, up.weight, up.bias, up.lora_a, up.lora_b, up.scaling)
+    return fastlora_linear(silu_mul_ref(g, u), down.weight, down.bias, down.lora_a, down.lora_b, down.scaling)
 
 
 def check_mlp_args(x: torch.Tensor, gate: LoraProjection, up: LoraProjection, down: LoraProjection) -> None:

@@ -109,11 +109,27 @@ def lowrank_add_ref(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling
     return out.copy_(torch.addmm(out.float(), a.float(), b.float().t(), alpha=scaling))
 
 
-def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _with_term(x: torch.Tensor, term: Optional[tuple], name: str) -> torch.Tensor:
+    """``x`` as the SwiGLU twins see it with its pending term ``(a, b, scaling)`` (the ``gate_term`` / ``up_term`` /
+    ``grad_h_term`` of ``kernels.swiglu``): ``lowrank_add_ref`` on a copy of ``x`` viewed 2-D, back in ``x``'s shape;
+    ``x`` itself without a term. (The kernels also take no rank past ``lowrank.MAX_RANK``.)"""
+    if term is None:
+        return x
+    a, b, scaling = term
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    shapes_match = a.dim() == 2 and a.shape[0] == rows.shape[0] and tuple(b.shape) == (rows.shape[1], a.shape[1])
+    if not shapes_match or not a.dtype == b.dtype == x.dtype:
+        raise ValueError(f"`{name}` must be (a, b, scaling) with a ({rows.shape[0]}, r) and b ({rows.shape[1]}, r) "
+                         f"of {x.dtype}; got a {tuple(a.shape)} {a.dtype}, b {tuple(b.shape)} {b.dtype}")  # fmt: skip
+    return lowrank_add_ref(rows.clone(), a, b, scaling).reshape(x.shape)
+
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor] = None, *,
+                 gate_term: Optional[tuple] = None, up_term: Optional[tuple] = None) -> torch.Tensor:  # fmt: skip
     """``silu(gate) * up`` in ``gate.dtype``, math in fp32 with one rounding, into ``out`` when given (twin of
-    ``kernels.swiglu.silu_mul``)."""
-    g = gate.float()
-    h = (g * torch.sigmoid(g) * up.float()).to(gate.dtype)
+    ``kernels.swiglu.silu_mul``; gate and up with their pending terms, if any: [`_with_term`])."""
+    g = _with_term(gate, gate_term, "gate_term").float()
+    h = (g * torch.sigmoid(g) * _with_term(up, up_term, "up_term").float()).to(gate.dtype)
     return h if out is None else out.copy_(h)
 
 
@@ -138,11 +154,13 @@ def silu_mul_backward_ref(
     return dg, du
 
 
-def silu_mul_t_matmul_ref(t: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul_t_matmul_ref(t: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, gate_term: Optional[tuple] = None,
+                          up_term: Optional[tuple] = None) -> torch.Tensor:  # fmt: skip
     """``t.T @ silu_mul_ref(gate, up)`` in fp32 (``h`` rounded to ``gate.dtype`` first; twin of
-    ``kernels.swiglu.silu_mul_t_matmul``)."""
-    rows = gate.reshape(-1, gate.shape[-1])
-    return t.reshape(rows.shape[0], t.shape[-1]).float().t() @ silu_mul_ref(rows, up.reshape(rows.shape)).float()
+    ``kernels.swiglu.silu_mul_t_matmul``; gate and up with their pending terms, if any)."""
+    rows = _with_term(gate, gate_term, "gate_term").reshape(-1, gate.shape[-1])
+    up = _with_term(up, up_term, "up_term").reshape(rows.shape)
+    return t.reshape(rows.shape[0], t.shape[-1]).float().t() @ silu_mul_ref(rows, up).float()
 
 
 def silu_mul_backward_lora_ref(
@@ -153,11 +171,18 @@ def silu_mul_backward_lora_ref(
     *,
     grad_h_is_scratch: bool = False,
     out_up: Optional[torch.Tensor] = None,
+    gate_term: Optional[tuple] = None,
+    up_term: Optional[tuple] = None,
+    grad_h_term: Optional[tuple] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(d gate, d up, t.T @ h)``: [`silu_mul_backward_ref`] and [`silu_mul_t_matmul_ref`] (twin of
-    ``kernels.swiglu.silu_mul_backward_lora``)."""
+    ``kernels.swiglu.silu_mul_backward_lora``; the operands with their pending terms, if any)."""
+    gate, up = _with_term(gate, gate_term, "gate_term"), _with_term(up, up_term, "up_term")
+    dh = _with_term(grad_h, grad_h_term, "grad_h_term")
     grad_a = silu_mul_t_matmul_ref(t, gate, up)
-    dg, du = silu_mul_backward_ref(grad_h, gate, up, grad_h_is_scratch=grad_h_is_scratch, out_up=out_up)
+    dg, du = silu_mul_backward_ref(dh, gate, up, grad_h_is_scratch=grad_h_is_scratch, out_up=out_up)
+    if grad_h_is_scratch and dh is not grad_h and grad_h.dtype == gate.dtype:
+        dg = grad_h.copy_(dg)  # over grad_h itself, not over its copy with the term
     return dg, du, grad_a
 
 

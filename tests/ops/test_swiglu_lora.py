@@ -1,5 +1,6 @@
-"""``ops/kernels/swiglu.py`` against its torch twins, and ``ops/swiglu_lora.py`` (the MLP down projection fused with
-its SwiGLU) against fp32 autograd of ``lora_linear_ref(silu(gate) * up, ...)``; plus what it keeps for backward."""
+"""``ops/kernels/swiglu.py`` against its torch twins (with and without pending low-rank terms), and
+``ops/swiglu_lora.py`` (the MLP down projection fused with its SwiGLU; the whole MLP with gate/up as a projection
+group, ``grouped_lora_mlp``) against fp32 autograd of the separate projections; plus what they keep for backward."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from peft_fastlora.ops import kernels, swiglu_lora_linear
+from peft_fastlora.ops import LoraProjection, grouped_lora_mlp, kernels, lora_linear_group, swiglu_lora_linear
 from peft_fastlora.ops.reference import (
     lora_linear_ref,
+    lowrank_add_ref,
     silu_mul_backward_lora_ref,
     silu_mul_backward_ref,
     silu_mul_ref,
@@ -286,3 +288,367 @@ def test_autocast_casts_gate_and_up_like_the_down_projection_would(force_triton)
     assert y.dtype == torch.bfloat16
     expected = swiglu_lora_linear(gate.bfloat16(), up.bfloat16(), weight, bias, a, b, 2.0)
     assert torch.equal(y, expected)
+
+
+# Pending low-rank terms: the operand the SwiGLU math sees is `operand + scaling * a @ b.T`, rounded once to its dtype.
+TERM_CASES = [  # (gate, up, grad_h) terms as (rank, scaling); None: no term
+    pytest.param((8, 2.0), None, None, id="gate"),
+    pytest.param(None, (33, 0.5), None, id="up"),
+    pytest.param(None, None, (16, 0.25), id="grad_h"),
+    pytest.param((1, 0.5), (64, 0.25), (33, 2.0), id="all"),
+    pytest.param((16, 1.0), (8, 2.0), (64, 0.5), id="all-other-ranks"),
+]
+
+
+def dyadic(*shape, dtype=torch.bfloat16):
+    """Random nonzero multiples of 1/8 in [-1, 1]. Terms made of these have an ``a @ b.T`` that is exact in fp32 in any
+    summation order (r <= 64), so a kernel (tl.dot) and its twin (torch) round the very same operand, and comparing
+    them tests the term's rounding and the SwiGLU math: a 1-ulp flip of gate moves h by up to 2 ulps."""
+    k = torch.randint(1, 9, shape) * (torch.randint(0, 2, shape) * 2 - 1)
+    return (k / 8).to(dtype)
+
+
+def swiglu_operands(rows, cols, r, dtype):
+    """``(gate, up, grad_h, t)`` as in the tests above."""
+    gate, up = (torch.randn(rows, cols) * 3).to(dtype), torch.randn(rows, cols).to(dtype)
+    return gate, up, torch.randn(rows, cols).to(dtype), torch.randn(rows, r).to(dtype)
+
+
+def make_terms(rows, cols, dtype, gate=None, up=None, grad_h=None):
+    """Keyword arguments ``gate_term`` / ``up_term`` / ``grad_h_term`` from ``(rank, scaling)`` (or None)."""
+    specs = {"gate_term": gate, "up_term": up, "grad_h_term": grad_h}
+    return {name: None if s is None else (dyadic(rows, s[0], dtype=dtype), dyadic(cols, s[0], dtype=dtype), s[1])
+            for name, s in specs.items()}  # fmt: skip
+
+
+def forward_terms(terms):
+    return {name: terms[name] for name in ("gate_term", "up_term")}
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 1), (7, 50), (70, 257), (0, 130), (600, 130)], ids=str)
+@pytest.mark.parametrize("gate_rs, up_rs, grad_h_rs", TERM_CASES)
+@pytest.mark.parametrize("dtype, atol, rtol", ELEMENTWISE_CASES)
+def test_terms_kernels_match_their_twins(force_triton, rows, cols, gate_rs, up_rs, grad_h_rs, dtype, atol, rtol):
+    """The three kernels with pending terms against their twins with the same terms (600 rows: two row splits)."""
+    swiglu = kernels.load().swiglu
+    gate, up, grad, t = swiglu_operands(rows, cols, 16, dtype)
+    terms = make_terms(rows, cols, dtype, gate_rs, up_rs, grad_h_rs)
+    fwd = forward_terms(terms)
+    h = swiglu.silu_mul(gate, up, **fwd)
+    assert h.dtype == dtype and h.shape == gate.shape
+    torch.testing.assert_close(h, silu_mul_ref(gate, up, **fwd), atol=atol, rtol=rtol)
+    # the product of the h that silu_mul wrote (the twin's is of the twin's h, which may differ by an ulp here and
+    # there: times t, far past the product's tolerance)
+    expected = t.float().t() @ h.float()
+    assert_close_scaled(swiglu.silu_mul_t_matmul(t, gate, up, **fwd), expected, 1e-5, 1e-5, "t.T @ h")
+    dg, du, product = swiglu.silu_mul_backward_lora(grad, gate, up, t, **terms)
+    dg_ref, du_ref, _ = silu_mul_backward_lora_ref(grad, gate, up, t, **terms)
+    torch.testing.assert_close(dg, dg_ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(du, du_ref, atol=atol, rtol=rtol)
+    assert_close_scaled(product, expected, 1e-5, 1e-5, "t.T @ h in the backward")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_terms_twin_is_the_twin_on_preadded_operands(dtype):
+    """What a term means, bit for bit: the operand after ``lowrank_add_ref``, then the math without terms (N-D gate
+    and up: the term's ``a`` has their rows)."""
+    gate, up, grad = (torch.randn(2, 5, 77) * 3).to(dtype), torch.randn(2, 5, 77).to(dtype), torch.randn(2, 5, 77)
+    grad, t = grad.to(dtype), torch.randn(2, 5, 8).to(dtype)
+    terms = {name: (torch.randn(10, r).to(dtype), (torch.randn(77, r) / r**0.5).to(dtype), s)
+             for name, r, s in (("gate_term", 16, 2.0), ("up_term", 5, 0.5), ("grad_h_term", 64, 0.25))}  # fmt: skip
+    g, u, dh = (lowrank_add_ref(x.reshape(10, 77).clone(), *terms[name]).view(2, 5, 77)
+                for x, name in ((gate, "gate_term"), (up, "up_term"), (grad, "grad_h_term")))  # fmt: skip
+    fwd = forward_terms(terms)
+    assert not torch.equal(g, gate) and not torch.equal(u, up) and not torch.equal(dh, grad)
+    assert torch.equal(silu_mul_ref(gate, up, **fwd), silu_mul_ref(g, u))
+    assert torch.equal(silu_mul_t_matmul_ref(t, gate, up, **fwd), silu_mul_t_matmul_ref(t, g, u))
+    for x, y in zip(silu_mul_backward_lora_ref(grad, gate, up, t, **terms), silu_mul_backward_lora_ref(dh, g, u, t)):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("rows, cols", [(7, 50), (600, 130)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)  # lowrank_add_: 16-bit outputs only
+def test_terms_kernels_match_the_kernels_on_preadded_operands(force_triton, rows, cols, dtype):
+    """The pass the terms replace: ``lowrank_add_`` into gate, up and grad_h, then the kernels without terms. h, d gate
+    and d up equal, not just close: the terms' products are exact (``dyadic``), so both round ``operand + scaling *
+    a @ b.T`` once from the same fp32 value (a second rounding, or none, would show); ``t.T @ h`` is summed in
+    other tiles with terms (a tuning of their own), so within the product's tolerance."""
+    swiglu, lowrank = kernels.load().swiglu, kernels.load().lowrank
+    gate, up, grad, t = swiglu_operands(rows, cols, 16, dtype)
+    terms = make_terms(rows, cols, dtype, (16, 2.0), (33, 0.5), (64, 0.25))
+    g, u, dh = (lowrank.lowrank_add_(x.clone(), *terms[name])
+                for x, name in ((gate, "gate_term"), (up, "up_term"), (grad, "grad_h_term")))  # fmt: skip
+    fwd = forward_terms(terms)
+    assert torch.equal(swiglu.silu_mul(gate, up, **fwd), swiglu.silu_mul(g, u))
+    expected = swiglu.silu_mul_t_matmul(t, g, u)
+    assert_close_scaled(swiglu.silu_mul_t_matmul(t, gate, up, **fwd), expected, 1e-5, 1e-5, "t.T @ h")
+    dg, du, product = swiglu.silu_mul_backward_lora(grad, gate, up, t, **terms)
+    dg_ref, du_ref, _ = swiglu.silu_mul_backward_lora(dh, g, u, t)
+    assert torch.equal(dg, dg_ref) and torch.equal(du, du_ref)
+    assert_close_scaled(product, expected, 1e-5, 1e-5, "t.T @ h in the backward")
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", ELEMENTWISE_CASES)
+def test_terms_read_columns_of_wider_matrices(force_triton, dtype, atol, rtol):
+    """The fused LoRA MLP's layout with terms: ``a`` columns of a wider ``xa``, ``b`` an (N, r) B or the transpose of
+    an (r, N) A, gate and up side by side, h into the first columns of a wider matrix, d gate over d h and d up
+    beside it; ``t`` (columns of a wider matrix) both the product's and d h's term's. Kernel and twin alike."""
+    swiglu = kernels.load().swiglu
+    rows, cols = 70, 130
+    gu = (torch.randn(rows, 2 * cols + 7) * 3).to(dtype)
+    gate, up = gu[:, :cols], gu[:, cols : 2 * cols]
+    xa, t = dyadic(rows, 48, dtype=dtype), dyadic(rows, 40 + 16, dtype=dtype)[:, 40:]
+    terms = {"gate_term": (xa[:, :16], dyadic(cols, 16, dtype=dtype), 2.0),
+             "up_term": (xa[:, 16:32], dyadic(16, cols, dtype=dtype).T, 0.5),
+             "grad_h_term": (t, dyadic(16, cols, dtype=dtype).T, 1.0)}  # fmt: skip
+    plain = {name: (a.contiguous(), b.contiguous(), s) for name, (a, b, s) in terms.items()}
+    grad = torch.randn(rows, cols).to(dtype)
+    h_ref = silu_mul_ref(gate.contiguous(), up.contiguous(), **forward_terms(plain))
+    dg_ref, du_ref, _ = silu_mul_backward_lora_ref(grad, gate.contiguous(), up.contiguous(), t.contiguous(), **plain)
+    for silu_mul, backward in ((swiglu.silu_mul, swiglu.silu_mul_backward_lora),
+                               (silu_mul_ref, silu_mul_backward_lora_ref)):  # fmt: skip
+        wide = torch.full((rows, cols + 16), float("nan"), dtype=dtype)
+        h = silu_mul(gate, up, out=wide[:, :cols], **forward_terms(terms))
+        assert h.data_ptr() == wide.data_ptr() and wide[:, cols:].isnan().all()
+        torch.testing.assert_close(h, h_ref, atol=atol, rtol=rtol)
+        d = torch.full((rows, 2 * cols + 16), float("nan"), dtype=dtype)
+        d[:, :cols] = grad
+        dg, du, product = backward(d[:, :cols], gate, up, t, grad_h_is_scratch=True, out_up=d[:, cols : 2 * cols],
+                                   **terms)  # fmt: skip
+        assert dg.data_ptr() == d.data_ptr() and du.data_ptr() == d[:, cols:].data_ptr()
+        torch.testing.assert_close(d[:, :cols], dg_ref, atol=atol, rtol=rtol)
+        torch.testing.assert_close(d[:, cols : 2 * cols], du_ref, atol=atol, rtol=rtol)
+        assert d[:, 2 * cols :].isnan().all()
+        assert_close_scaled(product, t.float().t() @ h.float(), 1e-5, 1e-5, "t.T @ h")  # of this h (see above)
+
+
+@pytest.mark.parametrize("scratch", [False, True], ids=["grad_h-kept", "grad_h-scratch"])
+def test_terms_leave_their_operands_untouched(force_triton, scratch):
+    """Terms are added in registers: gate, up, grad_h and the factors are byte for byte what they were (grad_h
+    holds d gate with ``grad_h_is_scratch``), kernel and twin alike."""
+    swiglu = kernels.load().swiglu
+    rows, cols = 70, 130
+    gate, up, grad, t = swiglu_operands(rows, cols, 16, torch.bfloat16)
+    terms = make_terms(rows, cols, torch.bfloat16, (16, 2.0), (8, 0.5), (33, 0.25))
+    terms["up_term"] = (terms["up_term"][0], dyadic(8, cols).T, 0.5)  # b a view
+    inputs = [gate, up, t] + [x for a, b, _ in terms.values() for x in (a, b)]
+    before = [x.view(torch.int16).clone() for x in inputs]
+    ops = ((swiglu.silu_mul, swiglu.silu_mul_t_matmul, swiglu.silu_mul_backward_lora),
+           (silu_mul_ref, silu_mul_t_matmul_ref, silu_mul_backward_lora_ref))  # fmt: skip
+    for silu_mul, t_matmul, backward in ops:
+        grad_h = grad.clone()
+        silu_mul(gate, up, **forward_terms(terms))
+        t_matmul(t, gate, up, **forward_terms(terms))
+        dg, _, _ = backward(grad_h, gate, up, t, grad_h_is_scratch=scratch, **terms)
+        assert all(torch.equal(x.view(torch.int16), y) for x, y in zip(inputs, before))
+        if scratch:
+            assert dg.data_ptr() == grad_h.data_ptr()
+        else:
+            assert dg.data_ptr() != grad_h.data_ptr() and torch.equal(grad_h.view(torch.int16), grad.view(torch.int16))
+
+
+@pytest.mark.parametrize("name", ["gate_term", "up_term", "grad_h_term"])
+def test_bad_terms_are_named(force_triton, name):
+    """Rank past lowrank.MAX_RANK (kernels only), ``a`` of other rows, ``b`` not (cols, r), another dtype."""
+    swiglu = kernels.load().swiglu
+    rows, cols = 7, 50
+    gate, up, grad, t = swiglu_operands(rows, cols, 4, torch.bfloat16)
+    bad = {
+        "rank": (dyadic(rows, 65), dyadic(cols, 65), 1.0),
+        "a rows": (dyadic(rows + 1, 8), dyadic(cols, 8), 1.0),
+        "b shape": (dyadic(rows, 8), dyadic(8, cols), 1.0),
+        "dtype": (dyadic(rows, 8, dtype=torch.float16), dyadic(cols, 8, dtype=torch.float16), 1.0),
+    }
+    for why, term in bad.items():
+        calls = [(swiglu.silu_mul_backward_lora, (grad, gate, up, t))]
+        if why != "rank":
+            calls.append((silu_mul_backward_lora_ref, (grad, gate, up, t)))
+        if name != "grad_h_term":
+            calls += [(swiglu.silu_mul, (gate, up)), (swiglu.silu_mul_t_matmul, (t, gate, up))]
+        for call, args in calls:
+            with pytest.raises(ValueError, match=f"`{name}`"):
+                call(*args, **{name: term})
+
+
+@pytest.mark.gpu
+def test_gpu_terms_match_preadded_operands_at_llama_shape():
+    """Llama-3-8B's MLP width at 2,048 tokens, bf16, r = 16, Gaussian factors: the kernels with terms against the
+    kernels without, on gate / up / grad_h that ``lowrank_add_`` pre-added (the separate passes the terms replace)."""
+    swiglu, lowrank = kernels.load().swiglu, kernels.load().lowrank
+    rows, cols, r = 2048, 14336, 16
+    gate = (torch.randn(rows, cols, device="cuda") * 2).bfloat16()
+    up, grad = torch.randn(rows, cols, device="cuda").bfloat16(), torch.randn(rows, cols, device="cuda").bfloat16()
+    xa, t = torch.randn(rows, 2 * r, device="cuda").bfloat16(), torch.randn(rows, r, device="cuda").bfloat16()
+    terms = {"gate_term": (xa[:, :r], (torch.randn(cols, r, device="cuda") / r**0.5).bfloat16(), 2.0),
+             "up_term": (xa[:, r:], (torch.randn(r, cols, device="cuda") / r**0.5).bfloat16().T, 2.0),
+             "grad_h_term": (t, (torch.randn(r, cols, device="cuda") / r**0.5).bfloat16().T, 1.0)}  # fmt: skip
+    g, u, dh = (lowrank.lowrank_add_(x.clone(), *terms[name])
+                for x, name in ((gate, "gate_term"), (up, "up_term"), (grad, "grad_h_term")))  # fmt: skip
+    h = swiglu.silu_mul(gate, up, **forward_terms(terms))
+    torch.testing.assert_close(h, swiglu.silu_mul(g, u), atol=1e-2, rtol=8e-3)
+    dg, du, product = swiglu.silu_mul_backward_lora(grad, gate, up, t, **terms)
+    dg_ref, du_ref, expected = swiglu.silu_mul_backward_lora(dh, g, u, t)
+    torch.testing.assert_close(dg, dg_ref, atol=1e-2, rtol=8e-3)
+    torch.testing.assert_close(du, du_ref, atol=1e-2, rtol=8e-3)
+    assert_close_scaled(product, expected, 1e-5, 1e-5, "t.T @ h")
+
+
+# ---- grouped_lora_mlp: gate/up as a projection group whose LoRA terms the SwiGLU kernels add -----------------------
+
+GROUPED_CASES = [  # (lead, hidden, intermediate, kind, (r_gate, r_up, r_down), (s_gate, s_up, s_down), biases)
+    ((5,), 64, 96, "nf4-nested", (8, 8, 8), (2.0, 2.0, 2.0), False),
+    ((2, 7), 128, 80, "int8", (4, 12, 16), (0.5, 2.0, 1.0), True),  # own ranks and scalings; biases on all three
+    ((3,), 64, 130, "nf4", (1, 33, 2), (1.0, 0.25, 3.0), False),  # rank 1 and 33, intermediate off the column block
+    ((4,), 64, 64, "nf4-nested", (72, 8, 8), (1.0, 1.0, 1.0), False),  # a rank over 64: the group adds the terms
+]
+
+
+def _grouped_projections(hidden, inter, kind, ranks, scalings, adapter_dtype, bias):
+    """gate, up, down with fresh random weights, adapters (B never zero) and, when asked, biases."""
+    shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
+    out = []
+    for (n, k), r, s in zip(shapes, ranks, scalings):
+        a = (torch.randn(r, k) / k**0.5).to(adapter_dtype).requires_grad_()
+        b = (torch.randn(n, r) * r**-0.5).to(adapter_dtype).requires_grad_()
+        c = torch.randn(n).to(adapter_dtype).requires_grad_() if bias else None
+        out.append(LoraProjection(make_weight(kind, n, k, device="cpu"), a, b, s, c))
+    return out
+
+
+def _op_of(y) -> str:
+    """The autograd node that made ``y``, past the reshape of its rows."""
+    fn = y.grad_fn
+    while type(fn).__name__ == "ViewBackward0":
+        fn = fn.next_functions[0][0]
+    return type(fn).__name__
+
+
+def _grouped_leaves(x, projections):
+    leaves = {"x": x}
+    for name, p in zip(("gate", "up", "down"), projections):
+        leaves.update({f"{name}.{f}": getattr(p, f) for f in ("bias", "lora_a", "lora_b") if getattr(p, f) is not None})
+    return leaves
+
+
+def _fp32_mlp(x, projections):
+    """fp32 autograd of the separate projections through the pure-torch reference linear."""
+    twins = [LoraProjection(p.weight, *(None if t is None else t.detach().float().requires_grad_()
+                                        for t in (p.lora_a, p.lora_b)), p.scaling,
+                            None if p.bias is None else p.bias.detach().float().requires_grad_())
+             for p in projections]  # fmt: skip
+    x_ref = x.detach().float().requires_grad_()
+    gate, up, down = twins
+    g = lora_linear_ref(x_ref, gate.weight, gate.bias, gate.lora_a, gate.lora_b, gate.scaling)
+    u = lora_linear_ref(x_ref, up.weight, up.bias, up.lora_a, up.lora_b, up.scaling)
+    y = lora_linear_ref(F.silu(g) * u, down.weight, down.bias, down.lora_a, down.lora_b, down.scaling)
+    return y, _grouped_leaves(x_ref, twins)
+
+
+@pytest.mark.parametrize("lead, hidden, inter, kind, ranks, scalings, bias", GROUPED_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("x_dtype, adapter_dtype, atol, rtol", DTYPE_CASES)
+def test_grouped_mlp_matches_fp32_autograd(force_triton, lead, hidden, inter, kind, ranks, scalings, bias, x_dtype,
+                                           adapter_dtype, atol, rtol):  # fmt: skip
+    projections = _grouped_projections(hidden, inter, kind, ranks, scalings, adapter_dtype, bias)
+    x = torch.randn(*lead, hidden).to(x_dtype).requires_grad_()
+    y = grouped_lora_mlp(x, *projections)
+    y_ref, ref = _fp32_mlp(x, projections)
+    assert _op_of(y) == "SwiGLULoraFunctionBackward" and y.dtype == x_dtype
+    assert_close_scaled(y, y_ref, atol, rtol, "y")
+    grad = torch.randn_like(y_ref)
+    y.backward(grad.to(y.dtype))
+    y_ref.backward(grad)
+    for name, leaf in _grouped_leaves(x, projections).items():
+        assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype, name
+        assert_close_scaled(leaf.grad, ref[name].grad, atol, rtol, f"d {name}")
+
+
+def _old_composition(x, gate, up, down):
+    """The fused path before the pending terms: the group adds gate's and up's terms itself."""
+    g, u = lora_linear_group(x, [gate, up])
+    return swiglu_lora_linear(g, u, down.weight, down.bias, down.lora_a, down.lora_b, down.scaling)
+
+
+def test_grouped_mlp_never_passes_over_gate_up_or_dh_for_lora(force_triton, monkeypatch):
+    """The point: no low-rank term is added to an (M, intermediate) tensor in a pass of its own: the SwiGLU kernel adds
+    gate's and up's, the SwiGLU backward the down projection's ``t @ A`` into ``dh`` (the hidden-wide passes remain:
+    the down projection's output and the group's ``dx``);
+    autograd keeps the same bytes as the composition it replaces, and gets the same results within rounding."""
+    from peft_fastlora.ops import lora_group
+    from peft_fastlora.ops import lora_linear as lora_linear_module
+
+    passes = []
+    for mod in (lora_group, lora_linear_module):
+        real = mod.add_low_rank_
+        monkeypatch.setattr(mod, "add_low_rank_", lambda out, *a, real=real, **k: passes.append(out.shape) or
+                            real(out, *a, **k))  # fmt: skip
+    projections = _grouped_projections(64, 96, "nf4-nested", (8, 8, 8), (2.0, 2.0, 2.0), torch.bfloat16, False)
+    x = torch.randn(12, 64).bfloat16().requires_grad_()
+    y = grouped_lora_mlp(x, *projections)
+    assert passes == [(12, 64)]  # the down projection's own output (hidden-wide); none over gate or up
+    y.backward(torch.randn_like(y))
+    assert passes == [(12, 64), (12, 64)]  # and the group's dx; none over dh
+    grads = {name: leaf.grad for name, leaf in _grouped_leaves(x, projections).items()}
+    for leaf in _grouped_leaves(x, projections).values():
+        leaf.grad = None
+    passes.clear()
+    y_old = _old_composition(x, *projections)
+    assert passes == [(12, 96), (12, 96), (12, 64)]  # gate's and up's terms, each a pass of its own
+    assert_close_scaled(y, y_old, 3e-2, 3e-2, "y")
+    y_old.backward(torch.ones_like(y_old))  # (grads not compared: different incoming grad; the fp32 test does)
+    assert saved_bytes(lambda: grouped_lora_mlp(x, *projections)) == saved_bytes(
+        lambda: _old_composition(x, *projections))
+    assert all(g is not None for g in grads.values())
+
+
+def test_grouped_mlp_on_zero_rows(force_triton):
+    projections = _grouped_projections(64, 96, "nf4", (8, 4, 8), (2.0, 1.0, 0.5), torch.bfloat16, True)
+    x = torch.randn(0, 64).bfloat16().requires_grad_()
+    y = grouped_lora_mlp(x, *projections)
+    assert y.shape == (0, 64)
+    y.sum().backward()
+    assert x.grad.shape == (0, 64) and projections[0].lora_b.grad.abs().sum() == 0
+
+
+def test_grouped_mlp_reference_path_is_the_plain_composition(reference_path):
+    projections = _grouped_projections(64, 96, "nf4-nested", (8, 8, 8), (2.0, 2.0, 2.0), torch.float32, True)
+    x = torch.randn(6, 64, requires_grad=True)
+    y = grouped_lora_mlp(x, *projections)
+    assert _op_of(y) != "SwiGLULoraFunctionBackward"
+    y_ref, _ = _fp32_mlp(x, projections)
+    assert_close_scaled(y, y_ref, 1e-4, 1e-4, "y")
+
+
+def test_grouped_mlp_refuses_mismatched_projections():
+    gate, up, down = _grouped_projections(64, 96, "nf4", (8, 8, 8), (1.0, 1.0, 1.0), torch.float32, False)
+    with pytest.raises(ValueError, match="`gate`, `up`, `down` weights"):
+        grouped_lora_mlp(torch.randn(3, 64), gate, up, gate)
+    with pytest.raises(TypeError, match="LoraProjection"):
+        grouped_lora_mlp(torch.randn(3, 64), gate, (up.weight, up.lora_a), down)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["nf4-nested", "int8"])
+def test_gpu_grouped_mlp_matches_the_composition_it_replaces(kind):
+    """Llama-3-8B's MLP width at 1,024 tokens, bf16: output and every grad agree with the group + fused down
+    projection composition within bf16 rounding."""
+    torch.manual_seed(0)
+    hidden, inter = 4096, 14336
+    projections = []
+    for n, k in ((inter, hidden), (inter, hidden), (hidden, inter)):
+        a = (torch.randn(16, k, device="cuda") / k**0.5).bfloat16().requires_grad_()
+        b = (torch.randn(n, 16, device="cuda") * 0.25).bfloat16().requires_grad_()
+        projections.append(LoraProjection(make_weight(kind, n, k, device="cuda"), a, b, 2.0))
+    x = torch.randn(1024, hidden, device="cuda").bfloat16().requires_grad_()
+    grad = torch.randn(1024, hidden, device="cuda").bfloat16()
+    results = []
+    for fn in (grouped_lora_mlp, _old_composition):
+        y = fn(x, *projections)
+        y.backward(grad)
+        leaves = _grouped_leaves(x, projections)
+        results.append((y.detach(), {n: t.grad.clone() for n, t in leaves.items()}))
+        for t in leaves.values():
+            t.grad = None
+    (y_new, g_new), (y_old, g_old) = results
+    assert_close_scaled(y_new, y_old, 2e-2, 2e-2, "y")
+    for name in g_old:
+        assert_close_scaled(g_new[name], g_old[name], 3e-2, 3e-2, f"d {name}")

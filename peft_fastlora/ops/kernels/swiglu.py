@@ -18,10 +18,18 @@ a Llama-3-8B MLP that was a 235 MB write and two 235 MB reads per layer); [`silu
 product alone, for when gate and up need no grad. Programs are (column block, row split): each walks its rows,
 accumulating its columns of ``t.T @ h`` in fp32, and the splits' partial sums are added in a fixed order (no atomics:
 the result does not change from run to run).
+
+Pending low-rank terms: ``gate_term`` / ``up_term`` / ``grad_h_term = (a, b, scaling)`` say that the operand the math
+sees is ``operand + scaling * a @ b.T`` (LoRA's term: ``a`` (rows, r), ``b`` (cols, r), r <= ``lowrank.MAX_RANK``),
+rounded once to its dtype exactly as ``lowrank.lowrank_add_`` would leave it in memory, but made in registers (one
+``tl.dot`` per tile, fp32 products and sum) and never written; ``t.T @ h`` uses h as [`silu_mul`] with those terms
+writes it. The kernels read gate, up and d h anyway, while a ``lowrank_add_`` pass over each was one more read and
+write of the whole matrix (224 MiB each at 8,192 tokens x 14,336). Without terms, the kernels and tiles are as above.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -30,6 +38,7 @@ import triton.language as tl
 
 from .jit import round_to
 from .launch import cdiv, is_interpreted, launch, next_power_of_2, require_launchable
+from .lowrank import MAX_RANK
 
 BLOCK = 1024
 NUM_WARPS = 4
@@ -42,6 +51,22 @@ LORA_BLOCK_N = 128
 LORA_NUM_WARPS = 8
 MAX_SPLITS = 2
 MIN_SPLIT_ROWS = 256
+# With pending terms (H100, bf16, 8,192 x 14,336, t of rank 16, terms of rank 8 / 16 / 64, in us). silu_mul:
+# (TERMS_BLOCK_M x TERMS_BLOCK_N) tiles, each term's whole rank in one tl.dot as in lowrank.py; 64x64 with 8 warps
+# 295 / 300 / 380 against 571 / 573 / 587 for two lowrank_add_ and silu_mul (in a probe of tiles, 64x128 with 4 warps
+# took 8 % longer at r = 16, 32x64 with 4 warps 4-8 % less at r <= 16 but 22 % more at r = 64). The t.T @ h kernel
+# with three terms, three more tl.dots a tile: 32x64 tiles, 4 warps, 8 splits 492 / 497 / 587 against 692 / 695 / 704
+# for lowrank_add_ of dh and the kernel without terms (its own 32x128 tiles, 8 warps, 2 splits took about 760 at
+# r = 16 with terms; 16x64 won at some ranks and lost at others). 8 splits hold 8 x r x cols fp32 partial sums
+# (7.3 MB at r = 16).
+TERMS_BLOCK_M = 64
+TERMS_BLOCK_N = 64
+TERMS_NUM_WARPS = 8
+LORA_TERMS_BLOCK_M = 32
+LORA_TERMS_BLOCK_N = 64
+LORA_TERMS_NUM_WARPS = 4
+LORA_TERMS_MAX_SPLITS = 8
+TERM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
@@ -75,16 +100,85 @@ def _silu_mul_backward_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, cols, dh_str
 
 
 @triton.jit
+def _term_b(b_ptr, offs_n, in_n, rank, b_stride_n, b_stride_r, BLOCK_R: tl.constexpr, ALIGN: tl.constexpr):
+    # (BLOCK_R, BLOCK_N) of b.T, b (cols, rank * ALIGN) of any strides; ranks past it are 0 (the pad adds nothing)
+    offs_r = tl.arange(0, BLOCK_R)
+    return tl.load(b_ptr + offs_n[None, :] * b_stride_n + offs_r[:, None] * b_stride_r,
+                   mask=in_n[None, :] & (offs_r < rank * ALIGN)[:, None], other=0.0)  # fmt: skip
+
+
+@triton.jit
+def _plus_term(x, a_ptr, b, offs_m, in_m, rank, scaling, a_stride, BLOCK_R: tl.constexpr, ALIGN: tl.constexpr,
+               INTERPRET: tl.constexpr):  # fmt: skip
+    # the fp32 tile x of an operand with its pending term: x + scaling * a[offs_m] @ b (fp32 products and sum),
+    # rounded once to the operand's dtype (a's) as lowrank_add_ would store it, and read back as fp32. Rank and a's
+    # row stride come divided by ALIGN (up to 8, both multiples of it): the compiler then knows a's rows are aligned
+    # and whole vectors in or out of the mask, and loads them as vectors (H100, r = 8, a's rows 8 apart: the t.T @ h
+    # kernel with three terms took 592 us at 8,192 x 14,336 without this, 460 with it)
+    offs_r = tl.arange(0, BLOCK_R)
+    a = tl.load(a_ptr + offs_m.to(tl.int64)[:, None] * (a_stride * ALIGN) + offs_r[None, :],
+                mask=in_m[:, None] & (offs_r < rank * ALIGN)[None, :], other=0.0)  # fmt: skip
+    if INTERPRET:  # the interpreter's 16-bit tl.dot is wrong; fp32 holds 16-bit products exactly
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    elif a_ptr.dtype.element_ty == tl.float32:  # fp32 activations: fp32 products, as torch.mm (not TF32)
+        acc = tl.dot(a, b, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b)
+    return round_to(x + scaling * acc, a_ptr.dtype.element_ty, INTERPRET).to(tl.float32)
+
+
+@triton.jit
+def _silu_mul_terms_kernel(g_ptr, u_ptr, h_ptr, rows, cols, g_stride, u_stride, h_stride,
+                           ga_ptr, gb_ptr, g_rank, g_scaling, ga_stride, gb_stride_n, gb_stride_r,
+                           ua_ptr, ub_ptr, u_rank, u_scaling, ua_stride, ub_stride_n, ub_stride_r,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATE_TERM: tl.constexpr,
+                           BLOCK_RG: tl.constexpr, G_ALIGN: tl.constexpr, UP_TERM: tl.constexpr,
+                           BLOCK_RU: tl.constexpr, U_ALIGN: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    # [`_silu_mul_kernel`] on (BLOCK_M, BLOCK_N) tiles, gate and/or up with their terms; tiles of one row block
+    # adjacent (they share the rows of the terms' a)
+    pid = tl.program_id(0)
+    col_blocks = tl.cdiv(cols, BLOCK_N)
+    offs_m = (pid // col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (pid % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_m, in_n = offs_m < rows, offs_n < cols
+    row = offs_m.to(tl.int64)[:, None]
+    mask = in_m[:, None] & in_n[None, :]
+    g = tl.load(g_ptr + row * g_stride + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    if GATE_TERM:
+        gb = _term_b(gb_ptr, offs_n, in_n, g_rank, gb_stride_n, gb_stride_r, BLOCK_RG, G_ALIGN)
+        g = _plus_term(g, ga_ptr, gb, offs_m, in_m, g_rank, g_scaling, ga_stride, BLOCK_RG, G_ALIGN, INTERPRET)
+    u = tl.load(u_ptr + row * u_stride + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    if UP_TERM:
+        ub = _term_b(ub_ptr, offs_n, in_n, u_rank, ub_stride_n, ub_stride_r, BLOCK_RU, U_ALIGN)
+        u = _plus_term(u, ua_ptr, ub, offs_m, in_m, u_rank, u_scaling, ua_stride, BLOCK_RU, U_ALIGN, INTERPRET)
+    h = g * tl.sigmoid(g) * u
+    tl.store(h_ptr + row * h_stride + offs_n[None, :], round_to(h, h_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+
+@triton.jit
 def _silu_mul_lora_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, t_ptr, ws_ptr, rows, cols, rank, rows_per_split,
-                          dh_stride, g_stride, u_stride, dg_stride, du_stride, t_stride, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GRAD_H: tl.constexpr,
+                          dh_stride, g_stride, u_stride, dg_stride, du_stride, t_stride,
+                          ga_ptr, gb_ptr, g_rank, g_scaling, ga_stride, gb_stride_n, gb_stride_r,
+                          ua_ptr, ub_ptr, u_rank, u_scaling, ua_stride, ub_stride_n, ub_stride_r,
+                          da_ptr, db_ptr, d_rank, d_scaling, da_stride, db_stride_n, db_stride_r,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GRAD_H: tl.constexpr,
+                          GATE_TERM: tl.constexpr, BLOCK_RG: tl.constexpr, G_ALIGN: tl.constexpr,
+                          UP_TERM: tl.constexpr, BLOCK_RU: tl.constexpr, U_ALIGN: tl.constexpr,
+                          GRAD_H_TERM: tl.constexpr, BLOCK_RD: tl.constexpr, D_ALIGN: tl.constexpr,
                           INTERPRET: tl.constexpr):  # fmt: skip
     # grid (column blocks, row splits). ws[split, :rank, cols] = t[rows of split].T @ h[rows of split]; with GRAD_H
     # also d gate / d up of those rows (d gate may be written over dh: each element is read before it is written).
+    # *_TERM: that operand with its pending term (see _plus_term); b's tile is the same for all of a program's rows.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     offs_r = tl.arange(0, BLOCK_R)
     in_n, in_r = offs_n < cols, offs_r < rank
+    if GATE_TERM:
+        gb = _term_b(gb_ptr, offs_n, in_n, g_rank, gb_stride_n, gb_stride_r, BLOCK_RG, G_ALIGN)
+    if UP_TERM:
+        ub = _term_b(ub_ptr, offs_n, in_n, u_rank, ub_stride_n, ub_stride_r, BLOCK_RU, U_ALIGN)
+    if GRAD_H_TERM:
+        db = _term_b(db_ptr, offs_n, in_n, d_rank, db_stride_n, db_stride_r, BLOCK_RD, D_ALIGN)
     row_begin = split * rows_per_split
     row_end = tl.minimum(row_begin + rows_per_split, rows)
     acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
@@ -95,11 +189,18 @@ def _silu_mul_lora_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, t_ptr, ws_ptr, r
         mask = in_m[:, None] & in_n[None, :]
         g = tl.load(g_ptr + row * g_stride + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + row * u_stride + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        if GATE_TERM:
+            g = _plus_term(g, ga_ptr, gb, offs_m, in_m, g_rank, g_scaling, ga_stride, BLOCK_RG, G_ALIGN, INTERPRET)
+        if UP_TERM:
+            u = _plus_term(u, ua_ptr, ub, offs_m, in_m, u_rank, u_scaling, ua_stride, BLOCK_RU, U_ALIGN, INTERPRET)
         sig = tl.sigmoid(g)
         silu = g * sig
         h = round_to(silu * u, g_ptr.dtype.element_ty, INTERPRET)  # h as silu_mul writes it
         if GRAD_H:
             dh = tl.load(dh_ptr + row * dh_stride + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+            if GRAD_H_TERM:
+                dh = _plus_term(dh, da_ptr, db, offs_m, in_m, d_rank, d_scaling, da_stride, BLOCK_RD, D_ALIGN,
+                                INTERPRET)  # fmt: skip
             dg = dh * u * sig * (1.0 + g * (1.0 - sig))
             tl.store(dg_ptr + row * dg_stride + offs_n[None, :], round_to(dg, dg_ptr.dtype.element_ty, INTERPRET),
                      mask=mask)  # fmt: skip
@@ -146,6 +247,36 @@ def _out(like: torch.Tensor, out: Optional[torch.Tensor], name: str) -> torch.Te
     return out
 
 
+def _term(term: Optional[tuple], like: torch.Tensor, name: str) -> Optional[tuple]:
+    """The pending term ``(a, b, scaling)`` of the 2-D operand ``like`` (or None), checked."""
+    if term is None:
+        return None
+    a, b, _ = term
+    rows, cols = like.shape
+    r = a.shape[1] if a.dim() == 2 else 0
+    if not (like.dtype in TERM_DTYPES and a.dtype == b.dtype == like.dtype and a.device == b.device == like.device
+            and a.dim() == 2 and a.shape[0] == rows and tuple(b.shape) == (cols, r) and 1 <= r <= MAX_RANK
+            and (a.stride(1) == 1 or r == 1)):  # fmt: skip
+        raise ValueError(
+            f"`{name}` must be (a, b, scaling) with a ({rows}, r) and b ({cols}, r) of the operand's dtype "
+            f"{like.dtype} (fp16, bf16 or fp32) and device, 1 <= r <= {MAX_RANK}, a of unit column stride; got a "
+            f"{tuple(a.shape)} {a.dtype} strides {a.stride()}, b {tuple(b.shape)} {b.dtype} on {b.device}"
+        )
+    return term
+
+
+def _term_args(term: Optional[tuple], like: torch.Tensor) -> tuple[tuple, tuple]:
+    """A checked term's kernel arguments ``(a, b, rank / align, scaling, a's row stride / align, b's strides)`` and
+    constexprs ``(flag, rank padded for tl.dot, align)``; without a term, placeholders the kernel never reads."""
+    if term is None:
+        return (like, like, 0, 0.0, 0, 0, 0), (False, 16, 1)
+    a, b, scaling = term
+    r = a.shape[1]
+    align = math.gcd(a.stride(0), r, 8)  # see _plus_term
+    args = (a, b, r // align, float(scaling), a.stride(0) // align, b.stride(0), b.stride(1))
+    return args, (True, max(16, next_power_of_2(r)), align)
+
+
 def _backward_outputs(grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, grad_h_is_scratch: bool,
                       out_up: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Where the SwiGLU backward writes ``(d gate, d up)``: ``grad_h`` itself when the caller gives it up and it has
@@ -154,12 +285,27 @@ def _backward_outputs(grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
     return dg, _out(up, out_up, "out_up")
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor] = None, *,
+             gate_term: Optional[tuple] = None, up_term: Optional[tuple] = None) -> torch.Tensor:  # fmt: skip
     """``silu(gate) * up`` in ``gate.dtype`` (fp32 math, one rounding), into ``out`` when given (a tensor like
-    ``gate``, whose rows may be further apart: the first columns of a wider matrix)."""
+    ``gate``, whose rows may be further apart: the first columns of a wider matrix). ``gate_term`` / ``up_term``:
+    ``(a, b, scaling)``, the operand's pending ``scaling * a @ b.T``, added in registers (module docstring)."""
     h = _out(gate, out, "out")
+    if gate_term is None and up_term is None:
+        if h.numel():
+            _launch(_silu_mul_kernel, (_rows(gate), _rows(up), _rows(h)), gate.device)
+        return h
+    g2, u2, h2 = _rows(gate), _rows(up), _rows(h)
+    g_args, g_flags = _term_args(_term(gate_term, g2, "gate_term"), g2)
+    u_args, u_flags = _term_args(_term(up_term, u2, "up_term"), u2)
     if h.numel():
-        _launch(_silu_mul_kernel, (_rows(gate), _rows(up), _rows(h)), gate.device)
+        kernel = _silu_mul_terms_kernel
+        require_launchable(kernel, gate.device)
+        rows, cols = g2.shape
+        args = (g2, u2, h2, rows, cols, g2.stride(0), u2.stride(0), h2.stride(0), *g_args, *u_args, TERMS_BLOCK_M,
+                TERMS_BLOCK_N, *g_flags, *u_flags, is_interpreted(kernel))  # fmt: skip
+        grid = (cdiv(rows, TERMS_BLOCK_M) * cdiv(cols, TERMS_BLOCK_N),)
+        launch(kernel, grid, args, gate.device, num_warps=TERMS_NUM_WARPS)
     return h
 
 
@@ -175,9 +321,10 @@ def silu_mul_backward(grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
     return dg, du
 
 
-def _lora_grad_a(t: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, grads: Optional[tuple]) -> torch.Tensor:
+def _lora_grad_a(t: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, grads: Optional[tuple],
+                 terms: tuple = (None, None, None)) -> torch.Tensor:  # fmt: skip
     """Launches ``_silu_mul_lora_kernel``: ``t.T @ silu(gate) * up`` in fp32, plus (``grads = (dh, dg, du)``) the
-    SwiGLU backward into ``dg`` / ``du``."""
+    SwiGLU backward into ``dg`` / ``du``; ``terms``: those of gate, up and dh (unchecked: [`_term`] checks them)."""
     kernel = _silu_mul_lora_kernel
     require_launchable(kernel, gate.device)
     g2, u2, t2 = _rows(gate), _rows(up), _rows(t)
@@ -185,25 +332,36 @@ def _lora_grad_a(t: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, grads: O
         raise ValueError(f"`t` must be a ({g2.shape[0]}, r) {gate.dtype} tensor, got {tuple(t.shape)} {t.dtype}")
     rows, cols = g2.shape
     rank = t2.shape[1]
-    splits = max(1, min(MAX_SPLITS, rows // MIN_SPLIT_ROWS))
-    rows_per_split = max(1, cdiv(cdiv(rows, splits), LORA_BLOCK_M)) * LORA_BLOCK_M  # not 0: no rows is one split
+    block_m, block_n, warps, max_splits = (
+        (LORA_BLOCK_M, LORA_BLOCK_N, LORA_NUM_WARPS, MAX_SPLITS) if all(term is None for term in terms)
+        else (LORA_TERMS_BLOCK_M, LORA_TERMS_BLOCK_N, LORA_TERMS_NUM_WARPS, LORA_TERMS_MAX_SPLITS)
+    )  # fmt: skip
+    splits = max(1, min(max_splits, rows // MIN_SPLIT_ROWS))
+    rows_per_split = max(1, cdiv(cdiv(rows, splits), block_m)) * block_m  # not 0: no rows is one split
     splits = max(1, cdiv(rows, rows_per_split))
-    ws = torch.empty(splits, rank, cols, dtype=torch.float32, device=gate.device)
     dh, dg, du = (_rows(x) for x in grads) if grads is not None else (g2, g2, g2)  # unread without GRAD_H
+    (g_args, g_flags), (u_args, u_flags), (d_args, d_flags) = (
+        _term_args(_term(term, like, name), like)
+        for term, like, name in zip(terms, (g2, u2, dh), ("gate_term", "up_term", "grad_h_term"))
+    )
+    ws = torch.empty(splits, rank, cols, dtype=torch.float32, device=gate.device)
     args = (dh, g2, u2, dg, du, t2, ws, rows, cols, rank, rows_per_split, dh.stride(0), g2.stride(0), u2.stride(0),
-            dg.stride(0), du.stride(0), t2.stride(0), LORA_BLOCK_M, LORA_BLOCK_N, max(16, next_power_of_2(rank)),
-            grads is not None, is_interpreted(kernel))  # fmt: skip
+            dg.stride(0), du.stride(0), t2.stride(0), *g_args, *u_args, *d_args, block_m, block_n,
+            max(16, next_power_of_2(rank)), grads is not None, *g_flags, *u_flags, *d_flags,
+            is_interpreted(kernel))  # fmt: skip
     if rows and cols:
-        launch(kernel, (cdiv(cols, LORA_BLOCK_N), splits), args, gate.device, num_warps=LORA_NUM_WARPS)
+        launch(kernel, (cdiv(cols, block_n), splits), args, gate.device, num_warps=warps)
     else:
         ws.zero_()
     return ws[0] if splits == 1 else ws.sum(0)
 
 
-def silu_mul_t_matmul(t: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul_t_matmul(t: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, gate_term: Optional[tuple] = None,
+                      up_term: Optional[tuple] = None) -> torch.Tensor:  # fmt: skip
     """``t.T @ silu(gate) * up`` as an fp32 ``(r, cols)`` tensor, ``h`` rounded to ``gate.dtype`` as [`silu_mul`]
-    rounds it but never written: the down projection's ``dA`` (before the adapter's dtype) from ``t = s g @ B``."""
-    return _lora_grad_a(t, gate, up, None)
+    rounds it but never written: the down projection's ``dA`` (before the adapter's dtype) from ``t = s g @ B``.
+    ``gate_term`` / ``up_term`` as in [`silu_mul`]."""
+    return _lora_grad_a(t, gate, up, None, (gate_term, up_term, None))
 
 
 def silu_mul_backward_lora(
@@ -214,8 +372,13 @@ def silu_mul_backward_lora(
     *,
     grad_h_is_scratch: bool = False,
     out_up: Optional[torch.Tensor] = None,
+    gate_term: Optional[tuple] = None,
+    up_term: Optional[tuple] = None,
+    grad_h_term: Optional[tuple] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(d gate, d up, t.T @ h)``: [`silu_mul_backward`] and [`silu_mul_t_matmul`] in one pass over gate and up
-    (same arguments as [`silu_mul_backward`]; the product in fp32)."""
+    (same arguments as [`silu_mul_backward`]; the product in fp32). ``gate_term`` / ``up_term`` / ``grad_h_term``:
+    ``(a, b, scaling)``, the operand's pending ``scaling * a @ b.T`` (module docstring); grad_h's memory is only
+    written as d gate, with ``grad_h_is_scratch``."""
     dg, du = _backward_outputs(grad_h, gate, up, grad_h_is_scratch, out_up)
-    return dg, du, _lora_grad_a(t, gate, up, (grad_h, dg, du))
+    return dg, du, _lora_grad_a(t, gate, up, (grad_h, dg, du), (gate_term, up_term, grad_h_term))
