@@ -92,10 +92,12 @@ def test_kernels_read_and_write_columns_of_wider_matrices(force_triton, dtype, a
         assert d[:, 2 * cols :].isnan().all()
 
 
-GRAD_A_CASES = [  # (dtype, atol, rtol) of t.T @ h against the twin: one fp32 sum in both, in another order
+GRAD_A_CASES = [  # (dtype, atol, rtol) of t.T @ h against the twin: one fp32 sum in both, in another order; in 16-bit
+    # dtypes an element of h may also round one ulp apart (the kernel's sigmoid is not torch's), which moves the sum by
+    # up to |t| ulp(h): about the elementwise tolerance, far below what a wrong row or column would do
     pytest.param(torch.float32, 1e-5, 1e-5, id="fp32"),
-    pytest.param(torch.float16, 1e-5, 1e-5, id="fp16"),
-    pytest.param(torch.bfloat16, 1e-5, 1e-5, id="bf16"),
+    pytest.param(torch.float16, 1e-3, 1e-3, id="fp16"),
+    pytest.param(torch.bfloat16, 8e-3, 8e-3, id="bf16"),
 ]
 
 
@@ -155,8 +157,8 @@ def test_backward_twin_is_autograd_of_the_forward_twin():
     grad = torch.randn(64, dtype=torch.float64)
     (F.silu(gate) * up).backward(grad)
     dg, du = silu_mul_backward_ref(grad, gate.detach(), up.detach())
-    torch.testing.assert_close(dg, gate.grad)
-    torch.testing.assert_close(du, up.grad)
+    torch.testing.assert_close(dg, gate.grad, atol=1e-6, rtol=1e-5)  # the twin's math is fp32 (as the kernel's)
+    torch.testing.assert_close(du, up.grad, atol=1e-6, rtol=1e-5)
 
 
 def fused_and_reference(lead, n, k, kind, x_dtype, adapter_dtype, bias=True):
