@@ -13,6 +13,7 @@ import bitsandbytes.functional as bnbF
 import torch
 
 from peft_fastlora.bnb import packed4bit_from_bnb
+from peft_fastlora.ops.lora_mlp import LoraProjection
 from peft_fastlora.ops.quant_state import Int8Rowwise, Packed4bit, QuantizedWeight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -83,3 +84,23 @@ def assert_close_scaled(actual, expected, atol, rtol, name=""):
     torch.testing.assert_close(
         actual.detach().float(), expected.detach().float(), atol=atol * scale, rtol=rtol, msg=lambda m: f"{name}: {m}"
     )
+
+
+def lora_projection(kind: str, n: int, k: int, r: int, scaling: float, adapter_dtype: torch.dtype,
+                    bias: bool = False, device: str = "cpu") -> LoraProjection:  # fmt: skip
+    """A projection with a fresh random weight and adapter (B ~ N(0, 1/r): never zero, which would hide the LoRA
+    term), and a random bias when asked for."""
+    a = (torch.randn(r, k, device=device) / k**0.5).to(adapter_dtype).requires_grad_()
+    b = (torch.randn(n, r, device=device) * r**-0.5).to(adapter_dtype).requires_grad_()
+    c = torch.randn(n, device=device).to(adapter_dtype).requires_grad_() if bias else None
+    return LoraProjection(make_weight(kind, n, k, device=device), a, b, scaling, c)
+
+
+def fp32_twin(x, projections):
+    """Detached fp32 copies of ``x``, biases and adapters as new leaves, and the projections holding them."""
+    x_ref = x.detach().float().requires_grad_()
+    twins = []
+    for p in projections:
+        copies = [None if t is None else t.detach().float().requires_grad_() for t in (p.lora_a, p.lora_b, p.bias)]
+        twins.append(LoraProjection(p.weight, copies[0], copies[1], p.scaling, copies[2]))
+    return x_ref, twins

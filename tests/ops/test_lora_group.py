@@ -14,7 +14,7 @@ from peft_fastlora.ops.lora_group import lora_linear_group_ref
 from peft_fastlora.ops.reference import lora_linear_ref
 from tests.utils import saved_bytes
 
-from .helpers import assert_close_scaled, make_weight
+from .helpers import assert_close_scaled, fp32_twin, lora_projection
 
 module = importlib.import_module("peft_fastlora.ops.lora_group")
 
@@ -26,17 +26,8 @@ DTYPE_CASES = [  # (x dtype, adapter dtype, atol, rtol) against fp32 autograd, a
 ]
 
 
-def projection(kind, n, k, r, scaling, adapter_dtype, bias=False, device="cpu"):
-    """A projection with a fresh random weight and adapter (B ~ N(0, 1/r): never zero, which would hide the LoRA
-    term), and a random bias when asked for."""
-    a = (torch.randn(r, k, device=device) / k**0.5).to(adapter_dtype).requires_grad_()
-    b = (torch.randn(n, r, device=device) * r**-0.5).to(adapter_dtype).requires_grad_()
-    c = torch.randn(n, device=device).to(adapter_dtype).requires_grad_() if bias else None
-    return LoraProjection(make_weight(kind, n, k, device=device), a, b, scaling, c)
-
-
 def group(kind, k, outs, ranks, scalings, adapter_dtype, bias=False, device="cpu"):
-    return [projection(kind, n, k, r, s, adapter_dtype, bias, device) for n, r, s in zip(outs, ranks, scalings)]
+    return [lora_projection(kind, n, k, r, s, adapter_dtype, bias, device) for n, r, s in zip(outs, ranks, scalings)]
 
 
 def leaves_of(x, projections):
@@ -48,16 +39,6 @@ def names_of(projections):
     for i, p in enumerate(projections):
         names += [f"p{i}.{name}" for name in ("bias", "lora_a", "lora_b") if getattr(p, name) is not None]
     return names
-
-
-def fp32_twin(x, projections):
-    """Detached fp32 copies of ``x``, biases and adapters as new leaves, and the projections holding them."""
-    x_ref = x.detach().float().requires_grad_()
-    twins = []
-    for p in projections:
-        copies = [None if t is None else t.detach().float().requires_grad_() for t in (p.lora_a, p.lora_b, p.bias)]
-        twins.append(LoraProjection(p.weight, copies[0], copies[1], p.scaling, copies[2]))
-    return x_ref, twins
 
 
 def separate_fp32(x, projections):

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from peft_fastlora.ops import LoraProjection, grouped_lora_mlp, kernels, lora_linear_group, swiglu_lora_linear
+from peft_fastlora.ops import grouped_lora_mlp, kernels, lora_linear_group, swiglu_lora_linear
 from peft_fastlora.ops.reference import (
     lora_linear_ref,
     lowrank_add_ref,
@@ -19,7 +19,7 @@ from peft_fastlora.ops.reference import (
 )
 from tests.utils import saved_bytes
 
-from .helpers import assert_close_scaled, make_inputs, make_weight
+from .helpers import assert_close_scaled, fp32_twin, lora_projection, make_inputs, make_weight
 
 ELEMENTWISE_CASES = [  # (dtype, atol, rtol): fp32 math in both, one rounding; sigmoid differs by ulps
     pytest.param(torch.float32, 1e-6, 1e-5, id="fp32"),
@@ -508,13 +508,7 @@ GROUPED_CASES = [  # (lead, hidden, intermediate, kind, (r_gate, r_up, r_down), 
 def _grouped_projections(hidden, inter, kind, ranks, scalings, adapter_dtype, bias):
     """gate, up, down with fresh random weights, adapters (B never zero) and, when asked, biases."""
     shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
-    out = []
-    for (n, k), r, s in zip(shapes, ranks, scalings):
-        a = (torch.randn(r, k) / k**0.5).to(adapter_dtype).requires_grad_()
-        b = (torch.randn(n, r) * r**-0.5).to(adapter_dtype).requires_grad_()
-        c = torch.randn(n).to(adapter_dtype).requires_grad_() if bias else None
-        out.append(LoraProjection(make_weight(kind, n, k, device="cpu"), a, b, s, c))
-    return out
+    return [lora_projection(kind, n, k, r, s, adapter_dtype, bias) for (n, k), r, s in zip(shapes, ranks, scalings)]
 
 
 def _op_of(y) -> str:
@@ -534,16 +528,11 @@ def _grouped_leaves(x, projections):
 
 def _fp32_mlp(x, projections):
     """fp32 autograd of the separate projections through the pure-torch reference linear."""
-    twins = [LoraProjection(p.weight, *(None if t is None else t.detach().float().requires_grad_()
-                                        for t in (p.lora_a, p.lora_b)), p.scaling,
-                            None if p.bias is None else p.bias.detach().float().requires_grad_())
-             for p in projections]  # fmt: skip
-    x_ref = x.detach().float().requires_grad_()
-    gate, up, down = twins
+    x_ref, (gate, up, down) = fp32_twin(x, projections)
     g = lora_linear_ref(x_ref, gate.weight, gate.bias, gate.lora_a, gate.lora_b, gate.scaling)
     u = lora_linear_ref(x_ref, up.weight, up.bias, up.lora_a, up.lora_b, up.scaling)
     y = lora_linear_ref(F.silu(g) * u, down.weight, down.bias, down.lora_a, down.lora_b, down.scaling)
-    return y, _grouped_leaves(x_ref, twins)
+    return y, _grouped_leaves(x_ref, [gate, up, down])
 
 
 @pytest.mark.parametrize("lead, hidden, inter, kind, ranks, scalings, bias", GROUPED_CASES, ids=lambda v: str(v))
@@ -635,11 +624,8 @@ def test_gpu_grouped_mlp_matches_the_composition_it_replaces(kind):
     projection composition within bf16 rounding."""
     torch.manual_seed(0)
     hidden, inter = 4096, 14336
-    projections = []
-    for n, k in ((inter, hidden), (inter, hidden), (hidden, inter)):
-        a = (torch.randn(16, k, device="cuda") / k**0.5).bfloat16().requires_grad_()
-        b = (torch.randn(n, 16, device="cuda") * 0.25).bfloat16().requires_grad_()
-        projections.append(LoraProjection(make_weight(kind, n, k, device="cuda"), a, b, 2.0))
+    shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
+    projections = [lora_projection(kind, n, k, 16, 2.0, torch.bfloat16, device="cuda") for n, k in shapes]
     x = torch.randn(1024, hidden, device="cuda").bfloat16().requires_grad_()
     grad = torch.randn(1024, hidden, device="cuda").bfloat16()
     results = []
