@@ -79,7 +79,8 @@ def apply_checkpoint_policy(hf_model: nn.Module, blocks: list[nn.Module], *, rec
     elif offload and not can_checkpoint:
         notes.append("activation offload off (no checkpointable decoder blocks)")
     elif offload:
-        hooks = hf_model.__dict__.setdefault(OFFLOAD_HOOKS, CpuOffloadHooks())
+        # room for a few forwards' worth of block inputs before a backward (see CpuOffloadHooks.max_unrestored)
+        hooks = hf_model.__dict__.setdefault(OFFLOAD_HOOKS, CpuOffloadHooks(max_unrestored=4 * len(blocks)))
     if not can_checkpoint:
         return False, False
     policy = CheckpointPolicy(blocks, recompute_last_block, hooks)
@@ -144,8 +145,12 @@ class CpuOffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     ~50 GB/s, ~1.3 ms per block at batch 4 of the benchmark model.) One restored-ahead input is on the GPU at a time.
     """
 
-    def __init__(self, min_bytes: int = OFFLOAD_MIN_BYTES):
+    def __init__(self, min_bytes: int = OFFLOAD_MIN_BYTES, max_unrestored: int = 256):
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        # Forwards whose graph is dropped without a backward never restore what they offloaded; past this many entries
+        # the oldest leave the list below (so pinned buffers of dead graphs are not kept): they are then only not
+        # restored ahead, which is always safe (no entry has a copy in flight before a backward starts restoring).
+        self.max_unrestored = max_unrestored
         # While a CUDA graph records the step, the pinned buffers it copies into must outlive the recording (a graph
         # replays into the same addresses): [`retaining`] collects them here.
         self.retained: Optional[list[torch.Tensor]] = None
@@ -229,6 +234,8 @@ def _pack(hooks: CpuOffloadHooks, min_bytes: int, tensor: torch.Tensor):
     hooks.release_copied()
     if hooks._restoring:  # a new forward pass: what the last backward did not restore is not coming back
         hooks.forget_unrestored()
+    elif len(hooks.offloaded) >= hooks.max_unrestored:
+        del hooks.offloaded[0]
     side = hooks.stream(tensor.device)
     side.wait_stream(torch.cuda.current_stream(tensor.device))
     with torch.cuda.stream(side):
