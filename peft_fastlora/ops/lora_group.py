@@ -65,7 +65,8 @@ def group_backward(grads: Sequence[Optional[torch.Tensor]], x: Optional[torch.Te
     dtype = (present or [grad_xa])[0].dtype
     rows = xa.shape[0]
     need_t = need_dx or any(need_da for _, need_da, _ in needs)
-    t = grad_xa if grad_xa is not None or not need_t else torch.empty(rows, xa.shape[1], dtype=dtype, device=xa.device)
+    own_terms = grad_xa is None  # else the caller added the low-rank terms: t is given, and dB is the caller's
+    t = grad_xa if not own_terms or not need_t else torch.empty(rows, xa.shape[1], dtype=dtype, device=xa.device)
     dx = None
     col = 0
     for i, (p, g, (need_dbias, _, need_db)) in enumerate(zip(projections, grads, needs)):
@@ -73,13 +74,13 @@ def group_backward(grads: Sequence[Optional[torch.Tensor]], x: Optional[torch.Te
         cols = slice(col, col + r)
         col += r
         if g is None:
-            if t is not None and grad_xa is None:
+            if t is not None and own_terms:
                 t[:, cols].zero_()
             continue
         g = g.reshape(rows, p.weight.shape[0])  # (not -1: ambiguous at zero rows)
-        if t is not None and grad_xa is None:
+        if t is not None and own_terms:
             _scaled_mm_into(t[:, cols], g, _cast(p.lora_b, dtype), p.scaling)
-        db = lora_b_grad(g, xa[:, cols], p.lora_b, p.scaling) if need_db and grad_xa is None else None
+        db = lora_b_grad(g, xa[:, cols], p.lora_b, p.scaling) if need_db and own_terms else None
         dbias = g.sum(0, dtype=torch.float32).to(p.bias.dtype) if need_dbias else None
         per[i] = (dbias, None, db)
         if need_dx:

@@ -291,12 +291,18 @@ def check_mlp_args(x: torch.Tensor, gate: LoraProjection, up: LoraProjection, do
             raise ValueError(f"`{name}` has a bias; the fused MLP takes none: call the projections unfused.")
     check_linear_args(x, gate.weight, None, gate.lora_a, gate.lora_b, None)
     check_linear_args(x, up.weight, None, up.lora_a, up.lora_b, None)
+    check_mlp_shapes(x, gate, up, down)
+
+
+def check_mlp_shapes(x: torch.Tensor, gate: LoraProjection, up: LoraProjection, down: LoraProjection) -> None:
+    """Raises a clear error unless gate and up are ``(intermediate, hidden)`` and down ``(hidden, intermediate)``, and
+    down's bias and adapter fit its weight (the fused MLPs' check beyond each gate / up projection's own)."""
     inter, hidden = gate.weight.shape
     if up.weight.shape != gate.weight.shape or down.weight.shape != (hidden, inter):
         raise ValueError(f"`gate`, `up`, `down` weights must be ({inter}, {hidden}), ({inter}, {hidden}) and "
                          f"({hidden}, {inter}), got {gate.weight.shape}, {up.weight.shape}, "
                          f"{down.weight.shape}.")  # fmt: skip
-    check_linear_args(torch.empty((0, inter), dtype=x.dtype, device=x.device), down.weight, None, down.lora_a,
+    check_linear_args(torch.empty((0, inter), dtype=x.dtype, device=x.device), down.weight, down.bias, down.lora_a,
                       down.lora_b, None)  # fmt: skip
 
 

@@ -22,7 +22,7 @@ from . import kernels
 from .dispatch import _use_triton, check_linear_args, fastlora_linear, without_autocast
 from .lora_group import LoraGroupFunction, check_group_args
 from .lora_linear import _cast, lora_b_grad, lora_linear_backward, lora_linear_forward
-from .lora_mlp import LoraProjection, _scaled_mm_into, lora_mlp_ref
+from .lora_mlp import LoraProjection, _scaled_mm_into, check_mlp_shapes, lora_mlp_ref
 from .quant_state import QuantizedWeight
 from .reference import silu_mul_ref
 
@@ -65,9 +65,9 @@ class SwiGLULoraFunction(torch.autograd.Function):
                                                       ctx.bias_dtype, ctx.scaling, needs, False, ctx.weight,
                                                       return_t=need_da or (pending and need_dh),
                                                       low_rank_into_dx=not pending)  # fmt: skip
+        gate_term, up_term = _pending_terms(xa_gu, b_gate, b_up, *ctx.gate_up_scalings, gate.dtype)
         dg = du = da = None
         if pending and need_dh:
-            gate_term, up_term = _pending_terms(xa_gu, b_gate, b_up, *ctx.gate_up_scalings, gate.dtype)
             dh_term = (t, _cast(lora_a, t.dtype).t(), 1.0)
             dg, du, da = swiglu.silu_mul_backward_lora(dh.view(gate.shape), gate, up, t, grad_h_is_scratch=True,
                                                        gate_term=gate_term, up_term=up_term,
@@ -79,7 +79,6 @@ class SwiGLULoraFunction(torch.autograd.Function):
             else:
                 dg, du = swiglu.silu_mul_backward(dh.view(gate.shape), gate, up, grad_h_is_scratch=True)
         elif need_da:
-            gate_term, up_term = _pending_terms(xa_gu, b_gate, b_up, *ctx.gate_up_scalings, gate.dtype)
             da = swiglu.silu_mul_t_matmul(t, gate, up, gate_term=gate_term, up_term=up_term)
         term_grads = (None, None, None)
         if pending and dg is not None:
@@ -166,13 +165,7 @@ def grouped_lora_mlp(x: torch.Tensor, gate: LoraProjection, up: LoraProjection, 
         `torch.Tensor`: ``(..., hidden)`` in ``x``'s dtype (the autocast dtype under autocast).
     """
     check_group_args(x, [gate, up])
-    inter, hidden = gate.weight.shape
-    if up.weight.shape != gate.weight.shape or down.weight.shape != (hidden, inter):
-        raise ValueError(f"`gate`, `up`, `down` weights must be ({inter}, {hidden}), ({inter}, {hidden}) and "
-                         f"({hidden}, {inter}), got {gate.weight.shape}, {up.weight.shape}, "
-                         f"{down.weight.shape}.")  # fmt: skip
-    check_linear_args(torch.empty((0, inter), dtype=x.dtype, device=x.device), down.weight, down.bias, down.lora_a,
-                      down.lora_b, None)  # fmt: skip
+    check_mlp_shapes(x, gate, up, down)
     device_type = x.device.type
     autocast = torch.is_autocast_enabled(device_type)
     if autocast:
@@ -180,7 +173,7 @@ def grouped_lora_mlp(x: torch.Tensor, gate: LoraProjection, up: LoraProjection, 
     if not _use_triton(x.device) or torch.compiler.is_compiling():
         return lora_mlp_ref(x, gate, up, down)
     lead = x.shape[:-1]
-    args = (x.reshape(-1, hidden), gate, up, down)
+    args = (x.reshape(-1, x.shape[-1]), gate, up, down)
     y = without_autocast(device_type, _grouped, *args) if autocast else _grouped(*args)
     return y.view(*lead, y.shape[-1])
 
