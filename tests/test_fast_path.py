@@ -540,6 +540,38 @@ def test_offloaded_checkpointing_matches_and_moves_inputs_to_cpu(tiny_llama_path
         packed.clear(), waiting.clear(), ahead.clear()
 
 
+@pytest.mark.gpu
+def test_offload_forgets_forwards_dropped_without_backward(tiny_llama_path, monkeypatch):
+    """Forwards whose graph is dropped without a backward (an evaluation loss under grad, a step skipped on overflow)
+    leave their offloaded inputs unrestored: the list of them stays at its cap, and the next step still gives the
+    plain model's bits."""
+    original_pack = block_checkpointing._pack
+    monkeypatch.setattr(block_checkpointing, "_pack", lambda hooks, _, tensor: original_pack(hooks, 0, tensor))
+    ids = torch.randint(3, 128, (2, 64), device="cuda")
+    plain, fast = fastlora_model(tiny_llama_path, device="cuda"), fastlora_model(tiny_llama_path, device="cuda")
+    report = peft_fastlora.enable_fast_path(fast, liger=False, offload_activations=True, fuse_mlp=False,
+                                            group_projections=False, fused_loss=False, recompute_last_block=True)
+    assert report.offload_activations
+    for model in (plain, fast):
+        model.train()
+        set_checkpointing(model, "non-reentrant")
+    hooks = fast_path.transformers_model(fast).__dict__[block_checkpointing.OFFLOAD_HOOKS]
+    assert hooks.max_unrestored == 4 * len(fast_path.transformers_model(fast).model.layers)
+    per_forward = []
+    for _ in range(6):
+        before = len(hooks.offloaded)
+        fast(input_ids=ids, labels=ids).loss.detach()  # the graph is dropped here, nothing restored
+        per_forward.append(len(hooks.offloaded) - before)
+    assert per_forward[0] >= 2, "the block inputs were not offloaded"
+    assert len(hooks.offloaded) == hooks.max_unrestored  # capped, not growing by a forward's worth each time
+    loss_p, grads_p = loss_and_grads(plain, ids)
+    loss_f, grads_f = loss_and_grads(fast, ids)
+    assert torch.equal(loss_p, loss_f)
+    for name in grads_p:
+        assert torch.equal(grads_p[name], grads_f[name]), name
+    assert hooks.pending == [] and len(hooks.offloaded) <= hooks.max_unrestored
+
+
 @pytest.fixture
 def restore_llama_module(monkeypatch):
     """Liger-Kernel replaces functions and classes of transformers' Llama module for the whole process (RoPE, the

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from . import kernels
-from .lora_linear import lora_linear_backward, lora_linear_forward, needed_grads, save_for_backward
+from .lora_linear import PLAIN_LAYER_WINDOWS, lora_linear_backward, lora_linear_forward, needed_grads, save_for_backward
 from .quant_state import weight_from_fields
 
 
@@ -53,7 +53,7 @@ def lora_linear_op(
     """Returns ``(y, xa)``; ``xa = lora_x @ A.T`` (``(*x.shape[:-1], r)``) is an output so that backward can reuse
     it (empty if no LoRA)."""
     weight = weight_from_fields(weight_tensors, weight_meta, quant_type)
-    out, xa = lora_linear_forward(x, bias, lora_a, lora_b, scaling, lora_x, weight)
+    out, xa = lora_linear_forward(x, bias, lora_a, lora_b, scaling, lora_x, weight, PLAIN_LAYER_WINDOWS)
     return out, (x.new_empty(0) if xa is None else xa.view(*x.shape[:-1], xa.shape[-1]))
 
 
@@ -98,7 +98,7 @@ def lora_linear_backward_op(
     """Returns ``(dx, dbias, dA, dB, dlora_x)``; grads that are not needed come back as empty tensors."""
     weight = weight_from_fields(weight_tensors, weight_meta, quant_type)
     grads = lora_linear_backward(grad_out, grad_xa, lora_a, lora_b, lora_input, xa, bias_dtype, scaling, tuple(needs),
-                                 separate_lora_x, weight)  # fmt: skip
+                                 separate_lora_x, weight, max_windows=PLAIN_LAYER_WINDOWS)  # fmt: skip
     # Placeholders must be distinct tensors: custom op outputs may not alias each other.
     return tuple(grad_out.new_empty(0) if g is None else g for g in grads)
 

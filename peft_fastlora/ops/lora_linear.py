@@ -4,10 +4,10 @@ Shapes (leading dims of ``x`` flattened into M): x, lora_x (M, K); W (N, K); A (
 (M, r); y (M, N).
 
 The base matmul runs on cuBLAS against a W that is dequantized into a fresh tensor from the caching allocator and
-dropped as soon as the matmul is queued (in windows when W is larger than the activation: [`weight_windows`]). W is
-NOT saved for backward: it is as large as the layer, and backward dequantizes it again (one memory-bound pass, about a
-tenth of the matmul at M=2048). What is saved is small or already alive: the LoRA input (only if A needs a grad), xa
-(M, r), A, B and the quantized container.
+dropped as soon as the matmul is queued (in the fast path's fused ops, in windows when W is larger than the activation:
+[`weight_windows`], [`PLAIN_LAYER_WINDOWS`]). W is NOT saved for backward: it is as large as the layer, and backward
+dequantizes it again (one memory-bound pass, about a tenth of the matmul at M=2048). What is saved is small or already
+alive: the LoRA input (only if A needs a grad), xa (M, r), A, B and the quantized container.
 
 The LoRA matmuls run in the activation dtype: fp32 adapters are cast to it (r-sized tensors; the M-sized activations
 are never cast), and their grads are returned in the adapter dtype, accumulated straight into fp32 where cuBLAS can.
@@ -44,6 +44,12 @@ MIN_WINDOW_BYTES = 32 << 20
 MIN_WINDOW = 1024
 MAX_WINDOWS = 4
 ROW_WINDOW_ALIGN = 64  # forward windows start on a multiple of 64 rows (whole matmul tiles)
+# A plain FastLoRA layer makes W whole. Its step's peak is elsewhere (the loss's fp32 logits: 2.421 GiB at batch 1
+# with checkpointing on the benchmark model, with windows or without), while every window is one more dequant launch
+# and cuBLAS call of host time, which is what a batch-1 step waits on (an MLP projection's forward + backward at 2,048
+# tokens: 1.95-1.99 ms of host time in 4 windows, 1.22-1.68 ms whole, H100 host). The fast path's fused ops
+# (projection groups, the fused MLP), whose step has no logits peak, keep the windows (MAX_WINDOWS).
+PLAIN_LAYER_WINDOWS = 1
 
 
 @functools.cache
@@ -78,13 +84,14 @@ def lora_b_grad(g: torch.Tensor, xa: torch.Tensor, lora_b: torch.Tensor, scaling
     return _matmul(g.t(), xa, lora_b.dtype, alpha=scaling)
 
 
-def weight_windows(m: int, n: int, k: int, length: int, align: int, element_size: int) -> list[tuple[int, int]]:
+def weight_windows(m: int, n: int, k: int, length: int, align: int, element_size: int,
+                   max_windows: int = MAX_WINDOWS) -> list[tuple[int, int]]:  # fmt: skip
     """Windows ``[(start, stop), ...]`` covering ``[0, length)`` (``n``: rows, ``k``: columns) of a weight ``(n, k)``
     dequantized to ``element_size`` bytes and multiplied by an ``(m, k)`` activation: each window at most half the
-    activation's size but not under ``MIN_WINDOW_BYTES``, at most ``length // MIN_WINDOW`` and ``MAX_WINDOWS`` of
+    activation's size but not under ``MIN_WINDOW_BYTES``, at most ``length // MIN_WINDOW`` and ``max_windows`` of
     them, each a multiple of ``align`` wide (``align == 0``: the weight takes no windows, one window)."""
     window = max(m * k // 2, MIN_WINDOW_BYTES // element_size, 1)
-    count = min(-(-(n * k) // window), length // MIN_WINDOW, MAX_WINDOWS)
+    count = min(-(-(n * k) // window), length // MIN_WINDOW, max_windows)
     if count <= 1 or not align:
         return [(0, length)]
     width = -(-length // count)
@@ -92,13 +99,15 @@ def weight_windows(m: int, n: int, k: int, length: int, align: int, element_size
     return [(start, min(start + width, length)) for start in range(0, length, width)]
 
 
-def _base_matmul(x2d: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x2d @ dequant(W).T (+ bias)`` (M, N) in ``x2d.dtype``, W made whole or in row windows."""
+def _base_matmul(x2d: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor],
+                 max_windows: int = MAX_WINDOWS) -> torch.Tensor:  # fmt: skip
+    """``x2d @ dequant(W).T (+ bias)`` (M, N) in ``x2d.dtype``, W made whole or in up to ``max_windows`` row
+    windows."""
     dequant = kernels.load().dequant
     n, k = weight.shape
     bias = None if bias is None else _cast(bias, x2d.dtype)
     align = ROW_WINDOW_ALIGN if dequant.column_alignment(weight) else 0
-    windows = weight_windows(x2d.shape[0], n, k, n, align, x2d.element_size())
+    windows = weight_windows(x2d.shape[0], n, k, n, align, x2d.element_size(), max_windows)
     if len(windows) == 1:
         w = dequant.dequantize_triton(weight, x2d.dtype)  # freed on return (the allocator reuses it)
         return torch.mm(x2d, w.t()) if bias is None else torch.addmm(bias, x2d, w.t())  # bias in cuBLAS' epilogue
@@ -113,12 +122,14 @@ def _base_matmul(x2d: torch.Tensor, weight: QuantizedWeight, bias: Optional[torc
     return out
 
 
-def _input_grad(g: torch.Tensor, weight: QuantizedWeight, accumulate: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``g @ dequant(W)`` (M, K) in ``g.dtype``, W made whole or in column windows; added into ``accumulate`` (M, K)
-    by cuBLAS (``beta=1``: the sum costs a read in the matmul's epilogue, not a pass of its own) when given."""
+def _input_grad(g: torch.Tensor, weight: QuantizedWeight, accumulate: Optional[torch.Tensor] = None,
+                max_windows: int = MAX_WINDOWS) -> torch.Tensor:  # fmt: skip
+    """``g @ dequant(W)`` (M, K) in ``g.dtype``, W made whole or in up to ``max_windows`` column windows; added into
+    ``accumulate`` (M, K) by cuBLAS (``beta=1``: the sum costs a read in the matmul's epilogue, not a pass of its own)
+    when given."""
     dequant = kernels.load().dequant
     n, k = weight.shape
-    windows = weight_windows(g.shape[0], n, k, k, dequant.column_alignment(weight), g.element_size())
+    windows = weight_windows(g.shape[0], n, k, k, dequant.column_alignment(weight), g.element_size(), max_windows)
     if len(windows) == 1:
         w = dequant.dequantize_triton(weight, g.dtype)
         return torch.mm(g, w) if accumulate is None else accumulate.addmm_(g, w)
@@ -151,11 +162,13 @@ def lora_linear_forward(
     scaling: float,
     lora_x: Optional[torch.Tensor],
     weight: QuantizedWeight,
+    max_windows: int = MAX_WINDOWS,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Computes ``y`` (``(*x.shape[:-1], N)`` in ``x.dtype``) and ``xa = lora_x @ A.T`` (M, r) for backward."""
+    """Computes ``y`` (``(*x.shape[:-1], N)`` in ``x.dtype``) and ``xa = lora_x @ A.T`` (M, r) for backward; W is
+    dequantized in up to ``max_windows`` windows ([`weight_windows`])."""
     n, k = weight.shape
     x2d = x.reshape(-1, k)
-    out = _base_matmul(x2d, weight, bias)
+    out = _base_matmul(x2d, weight, bias, max_windows)
     xa = None
     if lora_a is not None:
         lx2d = x2d if lora_x is None else _cast(lora_x, x.dtype).reshape(-1, k)
@@ -178,6 +191,7 @@ def lora_linear_backward(
     weight: QuantizedWeight,
     return_t: bool = False,
     low_rank_into_dx: bool = True,
+    max_windows: int = MAX_WINDOWS,
 ) -> tuple[Optional[torch.Tensor], ...]:
     """Gradients ``(dx, dbias, dA, dB, dlora_x)`` of [`lora_linear_forward`]; an entry is None when not needed.
 
@@ -199,6 +213,7 @@ def lora_linear_backward(
             computes dA itself (the fused MLP down projection: from gate and up, without its input ``h``).
         low_rank_into_dx (`bool`): Whether ``t @ A`` goes into ``dx`` here; `False` returns the base term only, for a
             caller whose next pass over ``dx`` adds it (the SwiGLU backward of ``swiglu_lora.py``, with ``return_t``).
+        max_windows (`int`): At most this many column windows of W for ``dx`` ([`weight_windows`]).
     """
     need_dx, need_dbias, need_da, need_db, need_dlx = needs
     n, k = weight.shape
@@ -224,7 +239,7 @@ def lora_linear_backward(
         if need_dlx and separate_lora_x:
             dlx = torch.mm(t, a_cast).view(*grad_out.shape[:-1], k)
     if need_dx:
-        dx = _input_grad(g, weight)
+        dx = _input_grad(g, weight, None, max_windows)
         if t is not None and not separate_lora_x and low_rank_into_dx:
             add_low_rank_(dx, t, a_cast.t(), 1.0)  # dx += (scaling * g @ B) @ A, in place
         dx = dx.view(*grad_out.shape[:-1], k)
@@ -254,7 +269,7 @@ class LoraLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, bias, lora_a, lora_b, scaling, lora_x, weight):
-        out, xa = lora_linear_forward(x, bias, lora_a, lora_b, scaling, lora_x, weight)
+        out, xa = lora_linear_forward(x, bias, lora_a, lora_b, scaling, lora_x, weight, PLAIN_LAYER_WINDOWS)
         save_for_backward(ctx, x, bias, lora_a, lora_b, scaling, lora_x, xa)
         ctx.weight = weight
         return out
@@ -263,6 +278,7 @@ class LoraLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         lora_input, xa, lora_a, lora_b = ctx.saved_tensors
         grads = lora_linear_backward(grad_out, None, lora_a, lora_b, lora_input, xa, ctx.bias_dtype, ctx.scaling,
-                                     needed_grads(ctx), ctx.separate, ctx.weight)  # fmt: skip
+                                     needed_grads(ctx), ctx.separate, ctx.weight,
+                                     max_windows=PLAIN_LAYER_WINDOWS)  # fmt: skip
         dx, dbias, da, db, dlx = grads
         return dx, dbias, da, db, None, dlx, None

@@ -185,18 +185,24 @@ def test_weight_windows_sizes(monkeypatch):
     assert weight_windows(4, 100, 30, 30, 1, 4) == [(0, 10), (10, 20), (20, 30)]  # 100 floor, 3 x 10 columns
     assert weight_windows(0, 100, 30, 100, 8, 4) == [(0, 32), (32, 64), (64, 96), (96, 100)]  # 4 windows, aligned
     assert weight_windows(100, 100, 30, 100, 1, 4) == [(0, 50), (50, 100)]  # half the activation
+    assert weight_windows(0, 100, 30, 100, 8, 4, max_windows=2) == [(0, 56), (56, 100)]  # a caller's own cap
+    assert weight_windows(0, 100, 30, 100, 8, 4, max_windows=1) == [(0, 100)]
 
 
 @pytest.mark.parametrize("kind, n, k", [
     ("nf4-nested", 200, 256), ("int8", 190, 130), ("fp4-nested-bf16storage", 160, 192), ("nf4", 200, 130)
 ])  # fmt: skip
 @pytest.mark.parametrize("x_dtype, adapter_dtype, atol, rtol", DTYPE_CASES[:2] + DTYPE_CASES[4:])
-def test_weight_in_windows(force_triton, monkeypatch, kind, n, k, x_dtype, adapter_dtype, atol, rtol):
-    """With W larger than the activation, forward dequantizes it in row windows and backward (dx) in column
-    windows, each matmul writing its part of the result (bias included); output and grads still match the fp32
-    reference. nf4 with K = 130 (rows not whole blocks) takes the whole weight."""
+@pytest.mark.parametrize("windowed", [True, False], ids=["windows", "plain-layer"])
+def test_weight_in_windows(force_triton, monkeypatch, kind, n, k, x_dtype, adapter_dtype, atol, rtol, windowed):
+    """With W larger than the activation and windows allowed (the fused ops' default, ``MAX_WINDOWS``), forward
+    dequantizes it in row windows and backward (dx) in column windows, each matmul writing its part of the result
+    (bias included); output and grads still match the fp32 reference. nf4 with K = 130 (rows not whole blocks) takes
+    the whole weight. A plain layer's Function (``PLAIN_LAYER_WINDOWS``) makes W whole."""
     monkeypatch.setattr(lora_linear_module, "MIN_WINDOW", 64)
     monkeypatch.setattr(lora_linear_module, "MIN_WINDOW_BYTES", 64)
+    if windowed:
+        monkeypatch.setattr(lora_linear_module, "PLAIN_LAYER_WINDOWS", lora_linear_module.MAX_WINDOWS)
     dequant = kernels.load().dequant
     windows, real = [], dequant.dequantize_window
 
@@ -213,7 +219,7 @@ def test_weight_in_windows(force_triton, monkeypatch, kind, n, k, x_dtype, adapt
     weight = make_weight(kind, n, k)
     x, bias, lora_a, lora_b = inputs((3,), n, k, x_dtype, adapter_dtype)
     run_and_compare(x, weight, bias, lora_a, lora_b, 2.0, None, atol, rtol)
-    if not dequant.column_alignment(weight):
+    if not dequant.column_alignment(weight) or not windowed:
         assert windows == []
         return
     size = x.element_size()
@@ -290,9 +296,10 @@ def test_gpu_forward_memory_grows_less_than_one_weight_per_layer():
 
 
 @pytest.mark.gpu
-def test_gpu_large_weight_is_made_in_windows():
+def test_gpu_large_weight_is_made_in_windows(monkeypatch):
     """The down projection at 2048 tokens: W (4096 x 14336, 112 MiB in bf16) is twice x, so forward and backward
-    each make it in four windows and never hold more than one."""
+    with windows allowed (the fused ops' default) each make it in four windows and never hold more than one."""
+    monkeypatch.setattr(lora_linear_module, "PLAIN_LAYER_WINDOWS", lora_linear_module.MAX_WINDOWS)
     n, k, m = 4096, 14336, 2048
     weight = make_weight("nf4-nested", n, k, device="cuda")
     x, bias, lora_a, lora_b = inputs((m,), n, k, torch.bfloat16, torch.bfloat16, r=16, device="cuda", bias=False)
