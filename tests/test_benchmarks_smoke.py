@@ -361,6 +361,30 @@ def test_bench_lowrank_tiny_cpu(tmp_path):
             assert float(row["max_abs_diff"]) <= 0.07, row  # bf16 rounding of O(1) values
 
 
+def test_bench_step_rounds_tiny_cpu(tmp_path):
+    """bench_step_rounds.py: a row per (batch, ckpt, provider), each provider timed in every round, bf16 LoRA's
+    same-round ratios exactly 1 and the others' taken round by round from the per-round rates it writes."""
+    log = run_python(["benchmarks/bench_step_rounds.py", "--device", "cpu", "--tiny", "--out", str(tmp_path),
+                      "--providers", "bf16-lora,fastlora-nf4", "--rounds", "3"], tmp_path)  # fmt: skip
+    assert "bench_step_rounds done" in log, log[-3000:]
+    header, columns, rows = read(tmp_path / "step_rounds.csv")
+    check_header(header)
+    assert [(r["ckpt"], r["provider"]) for r in rows] == [(c, p) for c in ("off", "on")
+                                                          for p in ("bf16-lora", "fastlora-nf4")]  # fmt: skip
+    for row in rows:
+        rates = [float(v) for v in row["round_tokens_per_s"].split(";")]
+        assert len(rates) == int(row["rounds"]) == 3 and all(r > 0 for r in rates)
+        assert float(row["median_step_ms"]) > 0
+    for ckpt in ("off", "on"):
+        base, fast = (next(r for r in rows if r["ckpt"] == ckpt and r["provider"] == p)
+                      for p in ("bf16-lora", "fastlora-nf4"))  # fmt: skip
+        assert float(base["ratio_to_bf16_round_median"]) == 1.0
+        ratios = sorted(float(f) / float(b) for f, b in zip(fast["round_tokens_per_s"].split(";"),
+                                                             base["round_tokens_per_s"].split(";")))  # fmt: skip
+        assert float(fast["ratio_to_bf16_round_median"]) == pytest.approx(ratios[1], rel=1e-4)
+        assert float(fast["ratio_to_bf16_round_min"]) == pytest.approx(ratios[0], rel=1e-4)
+
+
 def test_gpu_only_scripts_explain_themselves_on_cpu(tmp_path):
     """host_overhead.py measures CUDA launch overhead: on CPU it prints why it cannot run and exits 2; --help works."""
     assert "Host (CPU) time per layer call" in run_python(["benchmarks/host_overhead.py", "--help"], tmp_path)
