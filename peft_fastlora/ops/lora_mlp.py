@@ -35,7 +35,7 @@ import torch
 
 from . import kernels
 from .dispatch import _use_triton, check_linear_args, fastlora_linear, without_autocast
-from .lora_linear import ROW_WINDOW_ALIGN, _cast, _matmul, lora_b_grad, weight_windows
+from .lora_linear import ROW_WINDOW_ALIGN, _cast, _matmul, fused_op_windows, lora_b_grad, weight_windows
 from .quant_state import QuantizedWeight
 from .reference import silu_mul_ref
 
@@ -67,7 +67,7 @@ def concat_forward(a: torch.Tensor, weight: QuantizedWeight, lora_cols: list[tup
     n, k = weight.shape
     rows, width = a.shape
     out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
-    windows = weight_windows(rows, n, width, n, ROW_WINDOW_ALIGN, a.element_size())
+    windows = weight_windows(rows, n, width, n, ROW_WINDOW_ALIGN, a.element_size(), fused_op_windows())
     buf = torch.empty(max(stop - start for start, stop in windows), width, dtype=a.dtype, device=a.device)
     covered = sum(b.shape[1] for _, b in lora_cols)
     if covered < width - k:  # columns no adapter writes: zero once, the windows only overwrite the others
@@ -91,7 +91,7 @@ def concat_input_grad(g: torch.Tensor, weights: list[QuantizedWeight], lora_rows
     rows, height = g.shape
     if out is None:
         out = torch.empty(rows, k, dtype=g.dtype, device=g.device)
-    windows = weight_windows(rows, height, k, k, _window_align(weights), g.element_size())
+    windows = weight_windows(rows, height, k, k, _window_align(weights), g.element_size(), fused_op_windows())
     for start, stop in windows:
         buf = torch.empty(height, stop - start, dtype=g.dtype, device=g.device)
         row = 0

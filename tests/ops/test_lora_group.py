@@ -138,27 +138,39 @@ def test_input_grad_is_summed_inside_the_matmuls(force_triton, monkeypatch):
 
 
 def test_windows_give_the_same_result(force_triton, monkeypatch):
-    """Weights cut into row windows (forward) and column windows (backward, accumulating into dx) give what whole
-    weights give."""
+    """Inside a backward pass (the forward that checkpointing recomputes, and dx) the weights are cut into row windows
+    (forward) and column windows (backward, accumulating into dx); outside it, the first forward makes them whole.
+    Either way the result is what whole weights give."""
     projections = group("nf4-nested", 128, (256, 128), (4, 8), (1.0, 2.0), torch.float32, bias=True)
     x = torch.randn(6, 128, requires_grad=True)
     grads = [torch.randn(6, 256), torch.randn(6, 128)]
 
-    def run():
+    def run(checkpointed: bool):
         for t in leaves_of(x, projections):
             t.grad = None
-        ys = lora_linear_group(x, projections)
+        if checkpointed:
+            ys = torch.utils.checkpoint.checkpoint(lora_linear_group, x, projections, use_reentrant=False)
+        else:
+            ys = lora_linear_group(x, projections)
         torch.autograd.backward(ys, grads)
         return [y.detach() for y in ys] + [t.grad.clone() for t in leaves_of(x, projections)]
 
-    whole = run()
-    made = []
+    whole = run(False)
+    made = []  # (inside a backward pass, windows)
     real = lora_linear.weight_windows
+
+    def spy(*args):
+        made.append((torch._C._current_graph_task_id() != -1, real(*args)))
+        return made[-1][1]
+
     monkeypatch.setattr(lora_linear, "MIN_WINDOW_BYTES", 1)
     monkeypatch.setattr(lora_linear, "MIN_WINDOW", 64)
-    monkeypatch.setattr(lora_linear, "weight_windows", lambda *a: made.append(real(*a)) or made[-1])
-    windowed = run()
-    assert len(made) == 4 and all(len(w) >= 2 for w in made)
+    monkeypatch.setattr(lora_linear, "weight_windows", spy)
+    windowed = run(True)
+    outside = [w for in_backward, w in made if not in_backward]
+    inside = [w for in_backward, w in made if in_backward]
+    assert len(outside) == 2 and all(len(w) == 1 for w in outside)  # the first forward: W whole
+    assert len(inside) == 4 and all(len(w) >= 2 for w in inside)  # the recomputed forward, then dx
     for i, (got, expected) in enumerate(zip(windowed, whole)):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=str(i))
 

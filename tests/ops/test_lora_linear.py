@@ -189,6 +189,31 @@ def test_weight_windows_sizes(monkeypatch):
     assert weight_windows(0, 100, 30, 100, 8, 4, max_windows=1) == [(0, 100)]
 
 
+def test_fused_ops_cut_the_weight_in_backward_and_while_recording(monkeypatch):
+    """The fused ops' window cap: 1 in a plain forward, MAX_WINDOWS inside a backward pass (where checkpointing
+    recomputes) and while a CUDA graph records (host time is free there)."""
+    cap = lora_linear_module.fused_op_windows
+    assert cap() == 1
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(cap())
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(cap())
+            return grad * 2
+
+    Probe.apply(torch.randn(3, requires_grad=True)).sum().backward()
+    assert seen == [1, lora_linear_module.MAX_WINDOWS]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert cap() == lora_linear_module.MAX_WINDOWS
+
+
 @pytest.mark.parametrize("kind, n, k", [
     ("nf4-nested", 200, 256), ("int8", 190, 130), ("fp4-nested-bf16storage", 160, 192), ("nf4", 200, 130)
 ])  # fmt: skip

@@ -82,28 +82,41 @@ def test_fused_matches_fp32_autograd(force_triton, lead, hidden, inter, kind, ra
 
 
 def test_windows_give_the_same_result(force_triton, monkeypatch):
-    """Weights cut into row windows (forward) and column windows (backward), each next to its slice of the adapter
-    factors, give what whole weights give."""
+    """Inside a backward pass (the forward that checkpointing recomputes, and the input grads) weights are cut into
+    row windows (forward) and column windows (backward), each next to its slice of the adapter factors; the first
+    forward, outside it, makes them whole. Either way the result is what whole weights give."""
     projections = mlp("nf4-nested", 128, 256, torch.float32, ranks=(4, 8, 8))
     x = torch.randn(6, 128, requires_grad=True)
     grad = torch.randn(6, 128)
 
-    def run():
+    def run(checkpointed: bool):
         for t in leaves_of(x, projections):
             t.grad = None
-        y = lora_mlp(x, *projections)
+        if checkpointed:
+            y = torch.utils.checkpoint.checkpoint(lora_mlp, x, *projections, use_reentrant=False)
+        else:
+            y = lora_mlp(x, *projections)
         y.backward(grad)
         return [y.detach()] + [t.grad.clone() for t in leaves_of(x, projections)]
 
-    whole = run()
-    made = []
+    whole = run(False)
+    made = []  # (inside a backward pass, windows)
     real = lora_linear.weight_windows
+
+    def spy(*args):
+        made.append((torch._C._current_graph_task_id() != -1, real(*args)))
+        return made[-1][1]
+
     monkeypatch.setattr(lora_linear, "MIN_WINDOW_BYTES", 1)
     monkeypatch.setattr(lora_linear, "MIN_WINDOW", 64)
     module = importlib.import_module("peft_fastlora.ops.lora_mlp")  # (the package's `lora_mlp` is the function)
-    monkeypatch.setattr(module, "weight_windows", lambda *a: made.append(real(*a)) or made[-1])
-    windowed = run()
-    assert max(len(w) for w in made) >= 2 and len(made) >= 4  # gate, up, down forward; dh and dx backward
+    monkeypatch.setattr(module, "weight_windows", spy)
+    windowed = run(True)
+    outside = [w for in_backward, w in made if not in_backward]
+    inside = [w for in_backward, w in made if in_backward]
+    assert outside and all(len(w) == 1 for w in outside)  # the first forward: W whole
+    # the recomputed forward's gate, up and down, then dh and dx: each cut
+    assert len(outside) == 3 and len(inside) == 5 and all(len(w) >= 2 for w in inside)
     for name, got, expected in zip(("y",) + NAMES, windowed, whole):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=name)
 
