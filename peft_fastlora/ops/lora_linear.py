@@ -61,10 +61,10 @@ def fused_op_windows() -> int:
     recomputes there (which runs inside the backward pass too); the windows took that peak from 1.972 to 1.902 GiB at
     batch 1. The first forward's windows lowered the peak by 10 MB only (batch 1, H100: 1.944 against 1.954 GiB with
     checkpointing, 3.394 against 3.405 without; no change at batch 4) and cost host time: made whole there, the eager
-    step ran 1.06x faster at batch 1 with checkpointing and 1.01x at batch 4. A recorded step pays no host time for
-    windows, so it keeps them everywhere and its peak (1.964 GiB, measured against Unsloth's 1.978) stays.
+    step's median ran 1.10x faster at batch 1 with checkpointing and 1.01x at batch 4. A recorded step pays no host
+    time for windows, so it keeps them everywhere and its peak (1.964 GiB, measured against Unsloth's 1.978) stays.
     """
-    if torch._C._current_graph_task_id() != -1:
+    if torch._C._current_graph_task_id() != -1:  # a backward pass is running (torch.utils.checkpoint asks the same)
         return MAX_WINDOWS
     recording = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()  # (a CPU-only torch raises)
     return MAX_WINDOWS if recording else 1
