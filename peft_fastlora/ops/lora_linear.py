@@ -144,9 +144,8 @@ def _base_matmul(x2d: torch.Tensor, weight: QuantizedWeight, bias: Optional[torc
 def _input_grad(g: torch.Tensor, weight: QuantizedWeight, accumulate: Optional[torch.Tensor] = None,
                 max_windows: Optional[int] = None) -> torch.Tensor:  # fmt: skip
     """``g @ dequant(W)`` (M, K) in ``g.dtype``, W made whole or in up to ``max_windows`` column windows (None:
-    [`fused_op_windows`]); added into
-    ``accumulate`` (M, K) by cuBLAS (``beta=1``: the sum costs a read in the matmul's epilogue, not a pass of its own)
-    when given."""
+    [`fused_op_windows`]); added into ``accumulate`` (M, K) by cuBLAS (``beta=1``: the sum costs a read in the
+    matmul's epilogue, not a pass of its own) when given."""
     dequant = kernels.load().dequant
     n, k = weight.shape
     cap = fused_op_windows() if max_windows is None else max_windows
