@@ -104,3 +104,23 @@ def fp32_twin(x, projections):
         copies = [None if t is None else t.detach().float().requires_grad_() for t in (p.lora_a, p.lora_b, p.bias)]
         twins.append(LoraProjection(p.weight, copies[0], copies[1], p.scaling, copies[2]))
     return x_ref, twins
+
+
+def record_windows(monkeypatch, module) -> tuple[list, list]:
+    """Makes windows form on tiny weights and replaces ``module.weight_windows`` (the name the op under test calls)
+    with a recorder of the real function's answers; returns the lists it fills: the windows chosen outside a backward
+    pass, and inside one."""
+    from peft_fastlora.ops import lora_linear
+
+    real = lora_linear.weight_windows
+    outside, inside = [], []
+
+    def spy(*args):
+        windows = real(*args)
+        (inside if torch._C._current_graph_task_id() != -1 else outside).append(windows)
+        return windows
+
+    monkeypatch.setattr(lora_linear, "MIN_WINDOW_BYTES", 1)
+    monkeypatch.setattr(lora_linear, "MIN_WINDOW", 64)
+    monkeypatch.setattr(module, "weight_windows", spy)
+    return outside, inside

@@ -14,7 +14,7 @@ from peft_fastlora.ops.lora_group import lora_linear_group_ref
 from peft_fastlora.ops.reference import lora_linear_ref
 from tests.utils import saved_bytes
 
-from .helpers import assert_close_scaled, fp32_twin, lora_projection
+from .helpers import assert_close_scaled, fp32_twin, lora_projection, record_windows
 
 module = importlib.import_module("peft_fastlora.ops.lora_group")
 
@@ -156,19 +156,8 @@ def test_windows_give_the_same_result(force_triton, monkeypatch):
         return [y.detach() for y in ys] + [t.grad.clone() for t in leaves_of(x, projections)]
 
     whole = run(False)
-    made = []  # (inside a backward pass, windows)
-    real = lora_linear.weight_windows
-
-    def spy(*args):
-        made.append((torch._C._current_graph_task_id() != -1, real(*args)))
-        return made[-1][1]
-
-    monkeypatch.setattr(lora_linear, "MIN_WINDOW_BYTES", 1)
-    monkeypatch.setattr(lora_linear, "MIN_WINDOW", 64)
-    monkeypatch.setattr(lora_linear, "weight_windows", spy)
+    outside, inside = record_windows(monkeypatch, lora_linear)
     windowed = run(True)
-    outside = [w for in_backward, w in made if not in_backward]
-    inside = [w for in_backward, w in made if in_backward]
     assert len(outside) == 2 and all(len(w) == 1 for w in outside)  # the first forward: W whole
     assert len(inside) == 4 and all(len(w) >= 2 for w in inside)  # the recomputed forward, then dx
     for i, (got, expected) in enumerate(zip(windowed, whole)):

@@ -9,12 +9,12 @@ import importlib
 import pytest
 import torch
 
-from peft_fastlora.ops import LoraProjection, fastlora_linear, lora_linear, lora_mlp, lora_mlp_fusable
+from peft_fastlora.ops import LoraProjection, fastlora_linear, lora_mlp, lora_mlp_fusable
 from peft_fastlora.ops.lora_mlp import lora_mlp_ref
 from peft_fastlora.ops.reference import silu_mul_ref
 from tests.utils import saved_bytes
 
-from .helpers import assert_close_scaled, make_weight
+from .helpers import assert_close_scaled, make_weight, record_windows
 
 DTYPE_CASES = [  # (x dtype, adapter dtype, atol, rtol) against fp32 autograd, as in test_swiglu_lora.py
     pytest.param(torch.float32, torch.float32, 1e-4, 1e-4, id="fp32"),
@@ -100,20 +100,9 @@ def test_windows_give_the_same_result(force_triton, monkeypatch):
         return [y.detach()] + [t.grad.clone() for t in leaves_of(x, projections)]
 
     whole = run(False)
-    made = []  # (inside a backward pass, windows)
-    real = lora_linear.weight_windows
-
-    def spy(*args):
-        made.append((torch._C._current_graph_task_id() != -1, real(*args)))
-        return made[-1][1]
-
-    monkeypatch.setattr(lora_linear, "MIN_WINDOW_BYTES", 1)
-    monkeypatch.setattr(lora_linear, "MIN_WINDOW", 64)
     module = importlib.import_module("peft_fastlora.ops.lora_mlp")  # (the package's `lora_mlp` is the function)
-    monkeypatch.setattr(module, "weight_windows", spy)
+    outside, inside = record_windows(monkeypatch, module)
     windowed = run(True)
-    outside = [w for in_backward, w in made if not in_backward]
-    inside = [w for in_backward, w in made if in_backward]
     assert outside and all(len(w) == 1 for w in outside)  # the first forward: W whole
     # the recomputed forward's gate, up and down, then dh and dx: each cut
     assert len(outside) == 3 and len(inside) == 5 and all(len(w) >= 2 for w in inside)
