@@ -32,6 +32,11 @@ use because they are not deterministic):
              registers hold whole words (see the kernel's docstring). Also wrong on Triton 3.6 (docs/kernels.md)
   tcprmtc    tcprmtb with the decode as one word in, four bf16 pairs out (no pack), the pairs split in-thread by
              truncation and tl.join; Triton 3.6 moves the decoded tile to the MMA through shared memory (not timed)
+  cuprmt     shfl with tcprmt's byte-permute decode instead of the shuffles: each word decoded in its thread to four
+             bf16 pairs, each pair widened to two fp32 values by a shift (even element) and a mask (odd element),
+             FMAs with x, no warp shuffle for the lookup (codes rounded to bf16)
+  cuprmt2    cuprmt without the mask: the whole pair read as the odd element (the even element's bits become extra
+             low mantissa bits, up to a bf16 ulp off): what the mask costs
   int8       int8 weights as 32-bit words, sign-extended bytes, FMAs, row scale
 
 The ``lut`` kernel is checked against the reference before it is timed. Results: ``probe_small_m.csv`` in --out.
@@ -55,10 +60,12 @@ from peft_fastlora.ops.kernels.jit import INV_127, decode_absmax
 
 SHAPES = [(14336, 4096), (4096, 14336), (4096, 4096)]  # (N, K)
 MODES = {"stream": 0, "arith": 1, "lut": 2, "shfl": 3, "bits": 4, "tcshfl": 5, "tcbits": 6, "tcbd": 7, "shflacc": 8,
-         "shflacc3": 9, "tcprmt": 10}
-TC_MODES = ("tcshfl", "tcbits", "tcbd", "tcprmt")
+         "shflacc3": 9, "tcprmt": 10, "tcprmtb": 11, "tcprmtc": 12, "cuprmt": 13, "cuprmt2": 14}
+TC_MODES = ("tcshfl", "tcbits", "tcbd", "tcprmt", "tcprmtb", "tcprmtc")
 # variants whose outputs are right (checked before timing)
-CHECKED = ("lut", "shfl", "tcshfl", "tcbd", "tcprmt", "shflacc", "shflacc3", "int8")
+CHECKED = ("lut", "shfl", "tcshfl", "tcbd", "tcprmt", "shflacc", "shflacc3", "cuprmt", "int8")
+# checked variants whose codes or weights are rounded to bf16: 1e-2 of the largest output, the others 1e-3
+BF16_CHECKED = TC_MODES + ("cuprmt",)
 DEFAULT_VARIANTS = ("stream", "lut", "shfl")
 # (BLOCK_N, BLOCK_K, num_warps)
 TILES_4BIT = [(4, 512, 1), (8, 256, 1), (8, 512, 2), (16, 256, 2), (16, 512, 4), (8, 1024, 4), (32, 256, 4),
@@ -326,6 +333,53 @@ def _probe_4bit_tcprmtb(
 
 
 @triton.jit
+def _pair_fma(acc, p, x_even_ptr, MASK_ODD: tl.constexpr):
+    """``acc`` plus elements 2 i and 2 i + 1 of each word times their x: the elements from the word's bf16 pair ``p``
+    (uint32: 2 i in the low half, 2 i + 1 in the high half) widened to fp32 by a shift and a mask; ``x_even_ptr``:
+    (NB, 8) pointers to element 2 i's x. Two FMAs."""
+    even = (p << 16).to(tl.float32, bitcast=True)
+    odd = (p & 0xFFFF0000 if MASK_ODD else p).to(tl.float32, bitcast=True)
+    acc = acc + even * tl.load(x_even_ptr).to(tl.float32)[None, :, :]
+    return acc + odd * tl.load(x_even_ptr + 1).to(tl.float32)[None, :, :]
+
+
+@triton.jit
+def _probe_4bit_cuprmt(
+    x_ptr, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr, out_ptr,
+    N, words_per_row, blocks_per_row, words_per_split, n_words,
+    MODE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr, ATOMIC: tl.constexpr, MUL_RN: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE_ASM: tl.constexpr,
+):  # fmt: skip
+    """shfl (MODE 3 of ``_probe_4bit``) with the lookup by byte permutes: each (BLOCK_N, NB, 8) word decoded in its
+    thread into four bf16 pairs (``prmt_decode_asm``, one word in, four registers out), each pair's elements times
+    their x, summed per word, per absmax block, scaled. MODE 14 (cuprmt2) leaves out the odd element's mask."""
+    offs_n, mask_n, rows, w_start, w_end = _program_rows(N, words_per_split, n_words, BLOCK_N)
+    NB: tl.constexpr = BLOCK_K // 64
+    MASK_ODD: tl.constexpr = MODE == 13
+    word_in_tile = tl.arange(0, NB)[:, None] * 8 + tl.arange(0, 8)[None, :]  # (NB, 8)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for w0 in range(w_start, w_end, BLOCK_K // 8):
+        words = tl.load(w_ptr + rows[:, None, None] * words_per_row + (w0 + word_in_tile)[None, :, :],
+                        mask=mask_n[:, None, None], other=0)  # fmt: skip
+        blk = rows[:, None] * blocks_per_row + (w0 // 8 + tl.arange(0, NB))[None, :]
+        raw = tl.load(absmax_ptr + blk, mask=mask_n[:, None], other=0)
+        scale = decode_absmax(raw, blk, mask_n[:, None], nested_code_ptr, nested_absmax_ptr, offset_ptr, True,
+                              NESTED_BLOCKSIZE, MUL_RN)  # fmt: skip
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(DECODE_ASM, "=r,=r,=r,=r,r", [words], dtype=(tl.uint32,) * 4,
+                                                   is_pure=True, pack=1)  # fmt: skip
+        x_word = x_ptr + (w0 + word_in_tile) * 8  # (NB, 8): x of each word's element 0
+        per_word = _pair_fma(tl.zeros((BLOCK_N, NB, 8), dtype=tl.float32), p0, x_word, MASK_ODD)  # one FMA chain
+        per_word = _pair_fma(per_word, p1, x_word + 2, MASK_ODD)
+        per_word = _pair_fma(per_word, p2, x_word + 4, MASK_ODD)
+        per_word = _pair_fma(per_word, p3, x_word + 6, MASK_ODD)
+        acc += tl.sum(tl.sum(per_word, axis=2) * scale, axis=1)
+    if ATOMIC:
+        tl.atomic_add(out_ptr + offs_n, acc, mask=mask_n)
+    else:
+        tl.store(out_ptr + offs_n, acc, mask=mask_n)
+
+
+@triton.jit
 def _probe_int8(
     x_ptr, w_ptr, scb_ptr, out_ptr, N, words_per_row, words_per_split, n_words,
     ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -355,8 +409,11 @@ def launch_4bit(x, weight, out, mode, split, tile):
     grid = (C.cdiv(n, block_n), C.cdiv(n_words, words_per_split))
     words = weight.data.reshape(-1).view(torch.uint8).view(torch.int32)
     extra = {}
-    if mode in (MODES["tcprmt"], MODES["tcprmtb"], MODES["tcprmtc"]):
-        kernel = _probe_4bit_tcprmt if mode == MODES["tcprmt"] else _probe_4bit_tcprmtb
+    prmt_kernels = {MODES["tcprmt"]: _probe_4bit_tcprmt, MODES["tcprmtb"]: _probe_4bit_tcprmtb,
+                    MODES["tcprmtc"]: _probe_4bit_tcprmtb, MODES["cuprmt"]: _probe_4bit_cuprmt,
+                    MODES["cuprmt2"]: _probe_4bit_cuprmt}  # fmt: skip
+    if mode in prmt_kernels:
+        kernel = prmt_kernels[mode]
         key = weight.code.data_ptr()  # computed outside CUDA-graph capture: the warm-up call comes first
         if key not in _DECODE_ASM:
             _DECODE_ASM[key] = prmt_decode_asm(weight.code)
@@ -439,7 +496,7 @@ def measure_kind(kind: str, wq, w: torch.Tensor, x: torch.Tensor, ref: torch.Ten
                     out = torch.zeros(n, device=device)
                     launch(wq, out, variant, split, tile)
                     err = ((out - ref).abs().max() / ref.abs().max()).item()
-                    if not err <= (1e-2 if variant in TC_MODES else 1e-3):  # bf16-rounded W or codes
+                    if not err <= (1e-2 if variant in BF16_CHECKED else 1e-3):  # bf16-rounded W or codes
                         record(variant, tile, split, float("nan"), err)
                         continue
                 zero = outs if split > 1 else [None] * copies

@@ -5,6 +5,7 @@ and the expected columns, and its PNGs. A provider that fails must become an err
 """
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -531,3 +532,45 @@ def test_probe_prmt_decode_gives_the_codes_of_a_word():
     for word in torch.randint(0, 2**32, (300,), generator=gen, dtype=torch.int64).tolist():
         nibbles = [(word >> (8 * (j // 2) + 4 * (1 - j % 2))) & 0xF for j in range(8)]
         assert _run_ptx(asm, word) == [bf16[q] for q in nibbles], hex(word)
+
+
+CUPRMT_PTX = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, "benchmarks")
+    import torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import probe_small_m as P
+
+    pointers = dict(x_ptr="*bf16", w_ptr="*i32", absmax_ptr="*u8", nested_code_ptr="*fp32", nested_absmax_ptr="*fp32",
+                    offset_ptr="*fp32", code_ptr="*fp32", out_ptr="*fp32")
+    scalars = ("N", "words_per_row", "blocks_per_row", "words_per_split", "n_words")
+    counts = {}
+    for variant in ("cuprmt", "cuprmt2"):
+        constexprs = dict(MODE=P.MODES[variant], NESTED_BLOCKSIZE=256, ATOMIC=True, MUL_RN=True, BLOCK_N=8,
+                          BLOCK_K=512, DECODE_ASM=P.prmt_decode_asm(torch.linspace(-1, 1, 16) ** 3))
+        signature = {**pointers, **dict.fromkeys(scalars, "i32"), **dict.fromkeys(constexprs, "constexpr")}
+        source = ASTSource(fn=P._probe_4bit_cuprmt, signature=signature, constexprs=constexprs)
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, num_stages=1))
+        ptx = ptx.asm["ptx"]
+        counts[variant] = dict(prmt=ptx.count("prmt.b32"), odd_masks=ptx.count("-65536"),
+                               code_shuffles=ptx.count("0x101f"), laneid=ptx.count("%laneid"))
+    print(json.dumps(counts))
+    """
+)
+
+
+def test_probe_cuprmt_decodes_by_permutes_without_shuffles():
+    """The ``cuprmt`` probe compiled for sm_90 ahead of time (no GPU; a subprocess, since the interpreter's kernels
+    cannot be compiled), 8 x 512 on one warp: each thread decodes its 16 words a step with 16 byte permutes each and
+    no code-table shuffle or lane id (the sums' reductions keep their own shuffles); ``cuprmt`` masks the 64 odd
+    elements, ``cuprmt2`` does not."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {key: value for key, value in _env().items() if key != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", CUPRMT_PTX], cwd=REPO, capture_output=True, text=True,
+                          timeout=TIMEOUT_S, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts["cuprmt"] == {"prmt": 256, "odd_masks": 64, "code_shuffles": 0, "laneid": 0}
+    assert counts["cuprmt2"] == {"prmt": 256, "odd_masks": 0, "code_shuffles": 0, "laneid": 0}
