@@ -401,6 +401,12 @@ def _probe_int8(
         tl.store(out_ptr + offs_n, acc, mask=mask_n)
 
 
+# the variants that decode by byte permutes, and their kernels (each takes the decode's PTX as DECODE_ASM)
+PRMT_KERNELS = {MODES["tcprmt"]: _probe_4bit_tcprmt, MODES["tcprmtb"]: _probe_4bit_tcprmtb,
+                MODES["tcprmtc"]: _probe_4bit_tcprmtb, MODES["cuprmt"]: _probe_4bit_cuprmt,
+                MODES["cuprmt2"]: _probe_4bit_cuprmt}  # fmt: skip
+
+
 def launch_4bit(x, weight, out, mode, split, tile):
     block_n, block_k, warps = tile
     n, k = weight.shape
@@ -409,11 +415,8 @@ def launch_4bit(x, weight, out, mode, split, tile):
     grid = (C.cdiv(n, block_n), C.cdiv(n_words, words_per_split))
     words = weight.data.reshape(-1).view(torch.uint8).view(torch.int32)
     extra = {}
-    prmt_kernels = {MODES["tcprmt"]: _probe_4bit_tcprmt, MODES["tcprmtb"]: _probe_4bit_tcprmtb,
-                    MODES["tcprmtc"]: _probe_4bit_tcprmtb, MODES["cuprmt"]: _probe_4bit_cuprmt,
-                    MODES["cuprmt2"]: _probe_4bit_cuprmt}  # fmt: skip
-    if mode in prmt_kernels:
-        kernel = prmt_kernels[mode]
+    if mode in PRMT_KERNELS:
+        kernel = PRMT_KERNELS[mode]
         key = weight.code.data_ptr()  # computed outside CUDA-graph capture: the warm-up call comes first
         if key not in _DECODE_ASM:
             _DECODE_ASM[key] = prmt_decode_asm(weight.code)

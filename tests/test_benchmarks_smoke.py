@@ -538,10 +538,9 @@ CUPRMT_PTX = textwrap.dedent(
     """
     import json, sys
     sys.path.insert(0, "benchmarks")
-    import torch, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    import torch
     import probe_small_m as P
+    from tests.ops._sm90_ptx import sm90_ptx
 
     pointers = dict(x_ptr="*bf16", w_ptr="*i32", absmax_ptr="*u8", nested_code_ptr="*fp32", nested_absmax_ptr="*fp32",
                     offset_ptr="*fp32", code_ptr="*fp32", out_ptr="*fp32")
@@ -551,9 +550,7 @@ CUPRMT_PTX = textwrap.dedent(
         constexprs = dict(MODE=P.MODES[variant], NESTED_BLOCKSIZE=256, ATOMIC=True, MUL_RN=True, BLOCK_N=8,
                           BLOCK_K=512, DECODE_ASM=P.prmt_decode_asm(torch.linspace(-1, 1, 16) ** 3))
         signature = {**pointers, **dict.fromkeys(scalars, "i32"), **dict.fromkeys(constexprs, "constexpr")}
-        source = ASTSource(fn=P._probe_4bit_cuprmt, signature=signature, constexprs=constexprs)
-        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, num_stages=1))
-        ptx = ptx.asm["ptx"]
+        ptx = sm90_ptx(P._probe_4bit_cuprmt, signature, constexprs, num_warps=1, num_stages=1)
         counts[variant] = dict(prmt=ptx.count("prmt.b32"), odd_masks=ptx.count("-65536"),
                                code_shuffles=ptx.count("0x101f"), laneid=ptx.count("%laneid"))
     print(json.dumps(counts))

@@ -36,13 +36,19 @@ COMMON = dict(BLOCKSIZE=64, NESTED=True, NESTED_BLOCKSIZE=256, SUB=64, HAS_BIAS=
               XA_COPY_STRIDE=32, XA_POLLS=16384, INTERPRET=False, MUL_RN=True)  # fmt: skip
 
 
+def sm90_ptx(fn, signature: dict, constexprs: dict, **options) -> str:
+    """The PTX of ``@triton.jit`` function ``fn`` compiled for sm_90 with launch ``options`` (``signature``: every
+    parameter's type, the constexprs' as ``"constexpr"``)."""
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
 def ptx(w_type: str, absmax_type: str, constexprs: dict, num_warps: int) -> str:
     constexprs = {**COMMON, **constexprs}
     types = {**POINTERS, "w_ptr": w_type, "absmax_ptr": absmax_type}
     signature = {name: types.get(name) or ("constexpr" if name in constexprs else "fp32" if name == "scaling" else
                                            "i32") for name in KERNEL_PARAMS}  # fmt: skip
-    source = ASTSource(fn=_fused_small_m_kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+    return sm90_ptx(_fused_small_m_kernel, signature, constexprs, num_warps=num_warps)
 
 
 def main() -> None:
