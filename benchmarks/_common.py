@@ -761,11 +761,12 @@ def timeline_lines(events, min_gap_us: float = 5.0, top: int = 15) -> list[str]:
     """
     from torch.autograd import DeviceType
 
-    gpu, cpu = [], []
+    gpu, cpu, kernels = [], [], []
     for evt in events:
         rng = (evt.time_range.start, evt.time_range.end)
         if evt.device_type == DeviceType.CUDA:
             gpu.append(rng)
+            kernels.append((rng[0], rng[1], evt.name))
         elif evt.device_type == DeviceType.CPU:
             cpu.append((rng[0], rng[1], evt.name))
     if not gpu or not cpu:
@@ -800,6 +801,16 @@ def timeline_lines(events, min_gap_us: float = 5.0, top: int = 15) -> list[str]:
     ]
     for key, (us, n) in sorted(by_stack.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {us / 1e3:8.3f} ms  {n:5d}  {key[:150]}")
+    # A replayed CUDA graph has no host operators to blame: the kernels either side of its largest gaps say where
+    kernels.sort()
+    kernel_starts = [k[0] for k in kernels]
+    lines.append(f"largest {top} idle gaps (start ms into the span, idle ms, kernel before > kernel after):")
+    for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
+        i = bisect.bisect_left(kernel_starts, b)
+        before = max((k for k in kernels[max(0, i - 64):i] if k[1] <= a + 0.5), default=None, key=lambda k: k[1])
+        after = kernels[i] if i < len(kernels) else None
+        names = " > ".join(k[2][:60] if k else "-" for k in (before, after))
+        lines.append(f"  {(a - span_start) / 1e3:8.3f}  {(b - a) / 1e3:7.3f}  {names}")
     syncs: dict[str, list[float]] = {}
     for start, end, name in cpu:
         if name.startswith(SYNC_CALLS):

@@ -415,17 +415,31 @@ def run_profile(model, provider: str, batch: int, ckpt: bool, args, device: torc
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    set_checkpointing(model, ckpt)
+    set_checkpointing(model, ckpt, args.reentrant)
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(3, vocab, (batch, args.seq), device=device)
-    train_step(model, optimizer, ids, device)
-    C.sync(device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        train_step(model, optimizer, ids, device)
+    graph = None
+    if PROVIDERS[provider][1] in GRAPHED_TUNERS:  # the recorded step: its replay is profiled
+        from peft_fastlora import GraphedTrainStep
+
+        inputs = {"input_ids": ids, "labels": ids}
+        graph = GraphedTrainStep(model, optimizer, inputs, autocast_dtype=torch.bfloat16)
+        step = functools.partial(graph, inputs)
+    else:
+        step = functools.partial(train_step, model, optimizer, ids, device)
+    try:
+        step()
         C.sync(device)
-    del optimizer
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            step()
+            C.sync(device)
+    finally:
+        if graph is not None:
+            graph.release()
+        optimizer.zero_grad(set_to_none=True)
+        del optimizer, graph, step
     kernels: dict[str, list] = {}
     for evt in prof.events():
         if evt.device_type == DeviceType.CUDA:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ._forward import InstanceForward
+from .ops.lora_linear import kept_under_checkpointing
 
 # The model's CpuOffloadHooks (one per model, in its __dict__), for code that must reach them (a recorded step).
 OFFLOAD_HOOKS = "_fastlora_offload_hooks"
@@ -103,13 +104,18 @@ def _set_gradient_checkpointing(model: nn.Module, *args, **kwargs):
 
 
 class _NotRecomputed:
-    """In place of a block's checkpoint function: runs the block as it is (autograd keeps what its backward needs)."""
+    """In place of a block's checkpoint function: runs the block as it is (autograd keeps what its backward needs),
+    marked as kept under checkpointing (its fused ops' backward then cuts weights into windows, as a recomputed
+    block's does: ``ops.lora_linear.fused_op_windows``)."""
 
     def __init__(self, checkpoint_func):
         self.__wrapped__ = checkpoint_func
 
     def __call__(self, function, *args, **kwargs):
-        return function(*args, **kwargs)
+        if torch.compiler.is_compiling():  # (a compiled block runs the reference ops, which take no windows)
+            return function(*args, **kwargs)
+        with kept_under_checkpointing():
+            return function(*args, **kwargs)
 
 
 class _Offloading:

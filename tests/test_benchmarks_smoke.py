@@ -472,7 +472,8 @@ def test_child_argv_drops_the_options_the_parent_sets():
 
 
 def test_timeline_attributes_idle_gaps_to_the_host_operator_that_ended_them():
-    """The profile timeline: GPU busy time, idle gaps by phase, the host operator that ended each gap, syncs."""
+    """The profile timeline: GPU busy time, idle gaps by phase, the host operator that ended each gap, the largest
+    gaps with their kernels, syncs."""
     from types import SimpleNamespace as NS
 
     from torch.autograd import DeviceType
@@ -494,6 +495,10 @@ def test_timeline_attributes_idle_gaps_to_the_host_operator_that_ended_them():
     assert lines[1] == "idle by phase (ms): backward 0.12, forward 0.04", lines[1]
     assert "autograd::engine::evaluate_function: MmBackward0 > aten::mm" in lines[3]  # the longest gap first
     assert any("cudaStreamSynchronize in (top level)" in line for line in lines)
+    # the largest gaps, with the kernels either side (a replayed CUDA graph has no host operator to name)
+    start = lines.index("largest 15 idle gaps (start ms into the span, idle ms, kernel before > kernel after):")
+    largest = ["     0.060    0.125  kernel_a > kernel_b", "     0.000    0.045  - > kernel_a"]
+    assert lines[start + 1 : start + 3] == largest
     assert C.timeline_lines([event("aten::mm", 0, 1, cpu)]) == ["(no GPU or host events recorded)"]
 
 

@@ -418,6 +418,28 @@ def _attention_calls(model) -> list[int]:
     return calls
 
 
+@pytest.mark.parametrize("ckpt", ["off", "non-reentrant"])
+def test_fused_ops_take_windows_in_every_block_of_a_checkpointed_model(tiny_llama_path, ckpt):
+    """What the fast path's fused ops would cut W into (``(forward, backward)`` windows), read in each block's MLP:
+    whole without checkpointing; under it, backward windows in every block (the kept last block too, whose
+    backward peaks as a recomputed one's) and forward windows in the recompute only."""
+    from peft_fastlora.ops import lora_linear
+
+    model = fastlora_model(tiny_llama_path)
+    peft_fastlora.enable_fast_path(model, liger=False)
+    model.train()
+    set_checkpointing(model, ckpt)
+    seen = []
+    for index, block in enumerate(fast_path.decoder_blocks(model.get_base_model())):  # (inside the checkpointed call)
+        block.mlp.register_forward_pre_hook(lambda *_, i=index: seen.append((i, tuple(lora_linear.fused_op_windows()))))
+    model(input_ids=tokens(rows=2, seq=8), labels=tokens(rows=2, seq=8)).loss.backward()
+    most = lora_linear.MAX_WINDOWS
+    if ckpt == "off":
+        assert seen == [(0, (1, 1)), (1, (1, 1))]
+    else:  # block 0's forward, the kept block 1, then block 0's recompute inside the backward pass
+        assert seen == [(0, (1, most)), (1, (1, most)), (0, (most, most))]
+
+
 @pytest.mark.parametrize("ckpt", ["non-reentrant", "reentrant"])
 def test_last_block_is_not_recomputed_and_the_step_is_unchanged(tiny_llama_path, ckpt):
     """Under gradient checkpointing the fast path runs the last block once (its backward follows the loss at once);

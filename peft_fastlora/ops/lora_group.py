@@ -27,21 +27,22 @@ from typing import Optional
 import torch
 
 from .dispatch import _use_triton, check_linear_args, fastlora_linear, without_autocast
-from .lora_linear import _base_matmul, _cast, _input_grad, _matmul, add_low_rank_, lora_b_grad
+from .lora_linear import _base_matmul, _cast, _input_grad, _matmul, add_low_rank_, fused_op_windows, lora_b_grad
 from .lora_mlp import LoraProjection, _scaled_mm_into
 
 
-def group_forward(x: torch.Tensor, projections: Sequence[LoraProjection],
-                  add_low_rank: bool = True) -> tuple[list[torch.Tensor], torch.Tensor]:  # fmt: skip
+def group_forward(x: torch.Tensor, projections: Sequence[LoraProjection], add_low_rank: bool = True,
+                  max_windows: int = 1) -> tuple[list[torch.Tensor], torch.Tensor]:  # fmt: skip
     """``([y_1, ..., y_n], xa)`` for a 2-D ``x`` (M, K): each ``y_i`` (M, N_i) in ``x.dtype``, and ``xa = x @ [A_1 ;
     ... ; A_n].T`` (M, r_1 + ... + r_n), kept for backward. ``add_low_rank=False``: the ``y_i`` are the base terms
-    only (bias included), for a caller that adds ``s_i xa_i @ B_i.T`` in its own pass over them."""
+    only (bias included), for a caller that adds ``s_i xa_i @ B_i.T`` in its own pass over them. Each W is made in
+    up to ``max_windows`` row windows."""
     dtype = x.dtype
     xa = torch.mm(x, _stacked_a(projections, dtype).t())
     outs, col = [], 0
     for p in projections:
         r = p.lora_a.shape[0]
-        out = _base_matmul(x, p.weight, p.bias)
+        out = _base_matmul(x, p.weight, p.bias, max_windows)
         if add_low_rank:
             add_low_rank_(out, xa[:, col : col + r], _cast(p.lora_b, dtype), p.scaling)
         outs.append(out)
@@ -51,10 +52,11 @@ def group_forward(x: torch.Tensor, projections: Sequence[LoraProjection],
 
 def group_backward(grads: Sequence[Optional[torch.Tensor]], x: Optional[torch.Tensor], xa: torch.Tensor,
                    projections: Sequence[LoraProjection], need_dx: bool, needs: Sequence[tuple[bool, bool, bool]],
-                   grad_xa: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], list[tuple]]:  # fmt: skip
+                   grad_xa: Optional[torch.Tensor] = None,
+                   max_windows: int = 1) -> tuple[Optional[torch.Tensor], list[tuple]]:  # fmt: skip
     """``(dx, [(dbias_i, dA_i, dB_i), ...])`` of [`group_forward`] from the outputs' grads (None: that output was not
     used, its grad is zero); ``needs[i]`` says whether ``(bias_i, A_i, B_i)`` need a grad, ``x`` (M, K) is needed only
-    for the ``dA``s. An entry is None when not needed.
+    for the ``dA``s. An entry is None when not needed. Each W is made in up to ``max_windows`` column windows.
 
     ``grad_xa``: the grad of ``xa`` (M, r_1 + ... + r_n) for a forward with ``add_low_rank=False``, whose caller
     added the low-rank terms: it is the stacked ``t_i = s_i g_i @ B_i``, and the ``dB_i`` are that caller's."""
@@ -84,7 +86,7 @@ def group_backward(grads: Sequence[Optional[torch.Tensor]], x: Optional[torch.Te
         dbias = g.sum(0, dtype=torch.float32).to(p.bias.dtype) if need_dbias else None
         per[i] = (dbias, None, db)
         if need_dx:
-            dx = _input_grad(g, p.weight, accumulate=dx)  # the first makes dx, the others add into it in cuBLAS
+            dx = _input_grad(g, p.weight, dx, max_windows)  # the first makes dx, the others add into it (cuBLAS)
     if any(need_da for _, need_da, _ in needs):
         das = _lora_a_grads(t, x, projections, [need_da and g is not None for g, (_, need_da, _) in zip(grads, needs)])
         per = [(dbias, da, db) for (dbias, _, db), da in zip(per, das)]
@@ -125,10 +127,11 @@ class LoraGroupFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weights, scalings, pending, *params):
         projections = _projections(weights, scalings, params)
-        outs, xa = group_forward(x, projections, add_low_rank=not pending)
+        windows = fused_op_windows()
+        outs, xa = group_forward(x, projections, not pending, windows.forward)
         need_da = any(ctx.needs_input_grad[5 + 3 * i] for i in range(len(weights)))
         ctx.save_for_backward(x if need_da else None, xa, *params)
-        ctx.weights, ctx.scalings, ctx.pending = weights, scalings, pending
+        ctx.weights, ctx.scalings, ctx.pending, ctx.windows = weights, scalings, pending, windows.backward
         ctx.set_materialize_grads(False)  # an unused output's grad stays None: no zero tensor made for it
         return (*outs, xa) if pending else tuple(outs)
 
@@ -143,7 +146,7 @@ class LoraGroupFunction(torch.autograd.Function):
             *grads, grad_xa = grads
             if grad_xa is None:  # xa unused downstream: its terms added nothing
                 grad_xa = torch.zeros_like(xa)
-        dx, per = group_backward(grads, x, xa, projections, nig[0], needs, grad_xa)
+        dx, per = group_backward(grads, x, xa, projections, nig[0], needs, grad_xa, ctx.windows)
         return (dx, None, None, None, *(grad for triple in per for grad in triple))
 
 

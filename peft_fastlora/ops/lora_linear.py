@@ -23,8 +23,10 @@ op takes it as its three fields (``weight.to_fields()``). Both wrappers save and
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -48,26 +50,58 @@ ROW_WINDOW_ALIGN = 64  # forward windows start on a multiple of 64 rows (whole m
 # with checkpointing on the benchmark model, with windows or without), while every window is one more dequant launch
 # and cuBLAS call of host time, which is what a batch-1 step waits on (an MLP projection's forward + backward at 2,048
 # tokens: 1.95-1.99 ms of host time in 4 windows, 1.22-1.68 ms whole, H100 host). The fast path's fused ops
-# (projection groups, the fused MLP), whose step has no logits peak, take windows inside a backward pass and while a
-# CUDA graph records ([`fused_op_windows`]).
+# (projection groups, the fused MLP), whose step has no logits peak, take windows where gradient checkpointing puts
+# the peak ([`fused_op_windows`]).
 PLAIN_LAYER_WINDOWS = 1
 
 
-def fused_op_windows() -> int:
-    """The most windows a fused op (projection groups, the fused MLP) cuts W into now: ``MAX_WINDOWS`` while autograd
-    runs a backward pass or a CUDA graph is being recorded, else 1.
+class Windows(NamedTuple):
+    """The most windows a fused op cuts W into in its forward and in its backward ([`fused_op_windows`])."""
 
-    The fast path's step peaks inside backward: in the fused MLP's backward, or in the forward that checkpointing
-    recomputes there (which runs inside the backward pass too); the windows took that peak from 1.972 to 1.902 GiB at
-    batch 1. The first forward's windows lowered the peak by 10 MB only (batch 1, H100: 1.944 against 1.954 GiB with
-    checkpointing, 3.394 against 3.405 without; no change at batch 4) and cost host time: made whole there, the eager
-    step's median ran 1.10x faster at batch 1 with checkpointing and 1.01x at batch 4. A recorded step pays no host
-    time for windows, so it keeps them everywhere and its peak (1.964 GiB, measured against Unsloth's 1.978) stays.
+    forward: int
+    backward: int
+
+
+WHOLE = Windows(1, 1)
+# True while a decoder block that gradient checkpointing keeps rather than recomputes runs its forward (the fast path
+# keeps the last one): its backward peaks as a recomputed block's does, but no saved-tensor hooks say so.
+_KEPT_BLOCK: contextvars.ContextVar[bool] = contextvars.ContextVar("peft_fastlora_kept_block", default=False)
+
+
+@contextlib.contextmanager
+def kept_under_checkpointing():
+    """Marks the forward of a block that gradient checkpointing keeps (does not recompute): the fused ops in it take
+    windows as in a checkpointed block ([`fused_op_windows`])."""
+    token = _KEPT_BLOCK.set(True)
+    try:
+        yield
+    finally:
+        _KEPT_BLOCK.reset(token)
+
+
+def fused_op_windows() -> Windows:
+    """The windows of a fused op (projection groups, the fused MLP) called now; its autograd context keeps
+    ``backward`` for its backward pass.
+
+    Windows lower the step's peak only under gradient checkpointing, where it sits inside the backward pass: in the
+    fused MLP's backward, or in the forward that checkpointing recomputes there (1.972 -> 1.902 GiB at batch 1 on the
+    benchmark model). Without checkpointing the windows lowered no peak (H100: 3.405 GiB at batch 1 and 8.750 at
+    batch 4 with and without) and cost time: host time per launch, and GPU time too, smaller matmuls and more
+    dequant launches (the recorded batch-1 step, H200: 35.2 ms with the forward in windows, 34.5 ms without). So an
+    op takes windows only in a checkpointed forward: one under saved-tensor hooks (non-reentrant checkpointing, and the
+    activation offload inside it), inside a backward pass (a recompute, either kind) or in a block that checkpointing
+    keeps ([`kept_under_checkpointing`]: the kept block's backward held 10 MB more whole). There its backward takes
+    ``MAX_WINDOWS``, and so does its forward when that is the recompute or is being recorded into a CUDA graph; an
+    eager first forward makes W whole: its windows lowered the peak by 10 MB (batch 1, 1.944 against 1.954 GiB) for
+    1.10x the host time of the step, while a recording pays no host time and keeps the recorded step's peak (1.964
+    GiB, against Unsloth's 1.978).
     """
-    if torch._C._current_graph_task_id() != -1:  # a backward pass is running (torch.utils.checkpoint asks the same)
-        return MAX_WINDOWS
+    in_backward = torch._C._current_graph_task_id() != -1  # (torch.utils.checkpoint asks the same)
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if not in_backward and hooks is None and not _KEPT_BLOCK.get():
+        return WHOLE
     recording = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()  # (a CPU-only torch raises)
-    return MAX_WINDOWS if recording else 1
+    return Windows(MAX_WINDOWS if in_backward or recording else 1, MAX_WINDOWS)
 
 
 @functools.cache
@@ -118,15 +152,14 @@ def weight_windows(m: int, n: int, k: int, length: int, align: int, element_size
 
 
 def _base_matmul(x2d: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor],
-                 max_windows: Optional[int] = None) -> torch.Tensor:  # fmt: skip
+                 max_windows: int = 1) -> torch.Tensor:  # fmt: skip
     """``x2d @ dequant(W).T (+ bias)`` (M, N) in ``x2d.dtype``, W made whole or in up to ``max_windows`` row
-    windows (None: [`fused_op_windows`])."""
+    windows."""
     dequant = kernels.load().dequant
     n, k = weight.shape
     bias = None if bias is None else _cast(bias, x2d.dtype)
     align = ROW_WINDOW_ALIGN if dequant.column_alignment(weight) else 0
-    cap = fused_op_windows() if max_windows is None else max_windows
-    windows = weight_windows(x2d.shape[0], n, k, n, align, x2d.element_size(), cap)
+    windows = weight_windows(x2d.shape[0], n, k, n, align, x2d.element_size(), max_windows)
     if len(windows) == 1:
         w = dequant.dequantize_triton(weight, x2d.dtype)  # freed on return (the allocator reuses it)
         return torch.mm(x2d, w.t()) if bias is None else torch.addmm(bias, x2d, w.t())  # bias in cuBLAS' epilogue
@@ -142,14 +175,13 @@ def _base_matmul(x2d: torch.Tensor, weight: QuantizedWeight, bias: Optional[torc
 
 
 def _input_grad(g: torch.Tensor, weight: QuantizedWeight, accumulate: Optional[torch.Tensor] = None,
-                max_windows: Optional[int] = None) -> torch.Tensor:  # fmt: skip
-    """``g @ dequant(W)`` (M, K) in ``g.dtype``, W made whole or in up to ``max_windows`` column windows (None:
-    [`fused_op_windows`]); added into ``accumulate`` (M, K) by cuBLAS (``beta=1``: the sum costs a read in the
-    matmul's epilogue, not a pass of its own) when given."""
+                max_windows: int = 1) -> torch.Tensor:  # fmt: skip
+    """``g @ dequant(W)`` (M, K) in ``g.dtype``, W made whole or in up to ``max_windows`` column windows; added
+    into ``accumulate`` (M, K) by cuBLAS (``beta=1``: the sum costs a read in the matmul's epilogue, not a pass of
+    its own) when given."""
     dequant = kernels.load().dequant
     n, k = weight.shape
-    cap = fused_op_windows() if max_windows is None else max_windows
-    windows = weight_windows(g.shape[0], n, k, k, dequant.column_alignment(weight), g.element_size(), cap)
+    windows = weight_windows(g.shape[0], n, k, k, dequant.column_alignment(weight), g.element_size(), max_windows)
     if len(windows) == 1:
         w = dequant.dequantize_triton(weight, g.dtype)
         return torch.mm(g, w) if accumulate is None else accumulate.addmm_(g, w)
@@ -182,10 +214,10 @@ def lora_linear_forward(
     scaling: float,
     lora_x: Optional[torch.Tensor],
     weight: QuantizedWeight,
-    max_windows: Optional[int] = None,
+    max_windows: int = 1,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Computes ``y`` (``(*x.shape[:-1], N)`` in ``x.dtype``) and ``xa = lora_x @ A.T`` (M, r) for backward; W is
-    dequantized in up to ``max_windows`` windows ([`weight_windows`]; None: [`fused_op_windows`])."""
+    dequantized in up to ``max_windows`` windows ([`weight_windows`])."""
     n, k = weight.shape
     x2d = x.reshape(-1, k)
     out = _base_matmul(x2d, weight, bias, max_windows)
@@ -211,7 +243,7 @@ def lora_linear_backward(
     weight: QuantizedWeight,
     return_t: bool = False,
     low_rank_into_dx: bool = True,
-    max_windows: Optional[int] = None,
+    max_windows: int = 1,
 ) -> tuple[Optional[torch.Tensor], ...]:
     """Gradients ``(dx, dbias, dA, dB, dlora_x)`` of [`lora_linear_forward`]; an entry is None when not needed.
 
@@ -233,8 +265,8 @@ def lora_linear_backward(
             computes dA itself (the fused MLP down projection: from gate and up, without its input ``h``).
         low_rank_into_dx (`bool`): Whether ``t @ A`` goes into ``dx`` here; `False` returns the base term only, for a
             caller whose next pass over ``dx`` adds it (the SwiGLU backward of ``swiglu_lora.py``, with ``return_t``).
-        max_windows (`int`, *optional*): At most this many column windows of W for ``dx`` ([`weight_windows`]; None:
-            [`fused_op_windows`]).
+        max_windows (`int`, *optional*, defaults to 1): At most this many column windows of W for ``dx``
+            ([`weight_windows`]).
     """
     need_dx, need_dbias, need_da, need_db, need_dlx = needs
     n, k = weight.shape

@@ -59,15 +59,16 @@ def _window_align(weights: list[QuantizedWeight]) -> int:
     return 0 if 0 in aligns else math.lcm(*aligns)
 
 
-def concat_forward(a: torch.Tensor, weight: QuantizedWeight, lora_cols: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+def concat_forward(a: torch.Tensor, weight: QuantizedWeight, lora_cols: list[tuple[int, torch.Tensor]],
+                   max_windows: int = 1) -> torch.Tensor:  # fmt: skip
     """``a @ [dequant(W) | L].T`` (M, N), where ``a`` is ``(M, K + extra)`` and ``L`` (N, extra) is zero but for
-    ``lora_cols``: ``(column, B)`` pairs placing ``B`` (N, r) at columns ``K + column`` of it. W is made in row
-    windows (as ``lora_linear._base_matmul``), each next to its rows of ``L`` in one buffer."""
+    ``lora_cols``: ``(column, B)`` pairs placing ``B`` (N, r) at columns ``K + column`` of it. W is made in up to
+    ``max_windows`` row windows (as ``lora_linear._base_matmul``), each next to its rows of ``L`` in one buffer."""
     dequant = kernels.load().dequant
     n, k = weight.shape
     rows, width = a.shape
     out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
-    windows = weight_windows(rows, n, width, n, ROW_WINDOW_ALIGN, a.element_size(), fused_op_windows())
+    windows = weight_windows(rows, n, width, n, ROW_WINDOW_ALIGN, a.element_size(), max_windows)
     buf = torch.empty(max(stop - start for start, stop in windows), width, dtype=a.dtype, device=a.device)
     covered = sum(b.shape[1] for _, b in lora_cols)
     if covered < width - k:  # columns no adapter writes: zero once, the windows only overwrite the others
@@ -82,16 +83,16 @@ def concat_forward(a: torch.Tensor, weight: QuantizedWeight, lora_cols: list[tup
 
 
 def concat_input_grad(g: torch.Tensor, weights: list[QuantizedWeight], lora_rows: torch.Tensor,
-                      out: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
+                      out: Optional[torch.Tensor] = None, max_windows: int = 1) -> torch.Tensor:  # fmt: skip
     """``g @ [dequant(W_1) ; ... ; dequant(W_n) ; L]`` (M, K) for ``g`` (M, sum of out_features + rows of ``L``),
-    the weights stacked in order and ``L`` (r_total, K) the adapters' ``A`` factors; in column windows of the result
-    (as ``lora_linear._input_grad``), written into ``out`` when given."""
+    the weights stacked in order and ``L`` (r_total, K) the adapters' ``A`` factors; in up to ``max_windows`` column
+    windows of the result (as ``lora_linear._input_grad``), written into ``out`` when given."""
     dequant = kernels.load().dequant
     k = weights[0].shape[1]
     rows, height = g.shape
     if out is None:
         out = torch.empty(rows, k, dtype=g.dtype, device=g.device)
-    windows = weight_windows(rows, height, k, k, _window_align(weights), g.element_size(), fused_op_windows())
+    windows = weight_windows(rows, height, k, k, _window_align(weights), g.element_size(), max_windows)
     for start, stop in windows:
         buf = torch.empty(height, stop - start, dtype=g.dtype, device=g.device)
         row = 0
@@ -110,9 +111,9 @@ def _scaled_mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling
     return torch.addmm(out, a, b, beta=0, alpha=scaling, out=out)
 
 
-def gate_up_forward(x: torch.Tensor, gate: LoraProjection, up: LoraProjection):
+def gate_up_forward(x: torch.Tensor, gate: LoraProjection, up: LoraProjection, max_windows: int = 1):
     """``(gate_out, up_out, xc)`` for ``x`` (M, hidden), where ``xc = [x | s_g x @ Ag.T | s_u x @ Au.T]`` (kept for
-    backward: x once, and both projections' ``xa``)."""
+    backward: x once, and both projections' ``xa``); each W in up to ``max_windows`` windows."""
     dtype = x.dtype
     rows, k = x.shape
     r_g = gate.lora_a.shape[0]
@@ -124,16 +125,17 @@ def gate_up_forward(x: torch.Tensor, gate: LoraProjection, up: LoraProjection):
     else:
         _scaled_mm_into(xc[:, k : k + r_g], x, a_g.t(), gate.scaling)
         _scaled_mm_into(xc[:, k + r_g :], x, a_u.t(), up.scaling)
-    gate_out = concat_forward(xc, gate.weight, [(0, _cast(gate.lora_b, dtype))])
-    up_out = concat_forward(xc, up.weight, [(r_g, _cast(up.lora_b, dtype))])
+    gate_out = concat_forward(xc, gate.weight, [(0, _cast(gate.lora_b, dtype))], max_windows)
+    up_out = concat_forward(xc, up.weight, [(r_g, _cast(up.lora_b, dtype))], max_windows)
     return gate_out, up_out, xc
 
 
 def gate_up_backward(d: torch.Tensor, xc: torch.Tensor, gate: LoraProjection, up: LoraProjection,
-                     needs: tuple[bool, ...]) -> tuple[Optional[torch.Tensor], ...]:  # fmt: skip
+                     needs: tuple[bool, ...], max_windows: int = 1) -> tuple[Optional[torch.Tensor], ...]:  # fmt: skip
     """``(dx, dA_g, dB_g, dA_u, dB_u)`` of [`gate_up_forward`] (those ``needs`` asks for), from
     ``d = [d gate | d up | . | .]`` (M, 2 * intermediate + r_g + r_u), whose last columns this fills with
-    ``t_g = s_g dg @ Bg`` and ``t_u``, so that ``dx`` is one matmul with ``[Wg ; Wu ; Ag ; Au]``."""
+    ``t_g = s_g dg @ Bg`` and ``t_u``, so that ``dx`` is one matmul with ``[Wg ; Wu ; Ag ; Au]`` (in up to
+    ``max_windows`` windows)."""
     need_dx, need_da_g, need_db_g, need_da_u, need_db_u = needs
     dtype = d.dtype
     inter, k = gate.weight.shape
@@ -156,26 +158,28 @@ def gate_up_backward(d: torch.Tensor, xc: torch.Tensor, gate: LoraProjection, up
         da_g, da_u = (da_g if need_da_g else None), (da_u if need_da_u else None)
     if need_dx:
         a_gu = torch.cat([_cast(gate.lora_a, dtype), _cast(up.lora_a, dtype)])
-        dx = concat_input_grad(d, [gate.weight, up.weight], a_gu)
+        dx = concat_input_grad(d, [gate.weight, up.weight], a_gu, max_windows=max_windows)
     return dx, da_g, db_g, da_u, db_u
 
 
-def swiglu_down_forward(gate_out: torch.Tensor, up_out: torch.Tensor, down: LoraProjection):
+def swiglu_down_forward(gate_out: torch.Tensor, up_out: torch.Tensor, down: LoraProjection, max_windows: int = 1):
     """``(y, xa_d)``: the down projection of ``h = silu(gate_out) * up_out``, with ``xa_d = s_d h @ Ad.T`` for
-    backward; h is written by the SwiGLU kernel straight into ``[h | xa_d]`` and dropped on return."""
+    backward; h is written by the SwiGLU kernel straight into ``[h | xa_d]`` and dropped on return. W in up to
+    ``max_windows`` windows."""
     dtype = gate_out.dtype
     rows, inter = gate_out.shape
     hc = torch.empty(rows, inter + down.lora_a.shape[0], dtype=dtype, device=gate_out.device)
     kernels.load().swiglu.silu_mul(gate_out, up_out, out=hc[:, :inter])
     _scaled_mm_into(hc[:, inter:], hc[:, :inter], _cast(down.lora_a, dtype).t(), down.scaling)
-    y = concat_forward(hc, down.weight, [(0, _cast(down.lora_b, dtype))])
+    y = concat_forward(hc, down.weight, [(0, _cast(down.lora_b, dtype))], max_windows)
     return y, hc[:, inter:].clone()
 
 
 def swiglu_down_backward(grad_y: torch.Tensor, gate_out: torch.Tensor, up_out: torch.Tensor, xa_d: torch.Tensor,
-                         down: LoraProjection, extra: int, needs: tuple[bool, ...]):  # fmt: skip
+                         down: LoraProjection, extra: int, needs: tuple[bool, ...], max_windows: int = 1):  # fmt: skip
     """``(d, dA_d, dB_d)`` of [`swiglu_down_forward`]: ``d = [d gate | d up | extra columns]`` (None unless ``needs``
-    asks for the gate / up grads; the extra columns, uninitialised, are for [`gate_up_backward`])."""
+    asks for the gate / up grads; the extra columns, uninitialised, are for [`gate_up_backward`]); W in up to
+    ``max_windows`` windows."""
     need_dgu, need_da_d, need_db_d = needs
     swiglu = kernels.load().swiglu
     dtype = grad_y.dtype
@@ -191,7 +195,7 @@ def swiglu_down_backward(grad_y: torch.Tensor, gate_out: torch.Tensor, up_out: t
         return None, da_d, db_d
     gc[:, :k].copy_(grad_y)
     d = torch.empty(rows, 2 * inter + extra, dtype=dtype, device=grad_y.device)
-    concat_input_grad(gc, [down.weight], _cast(down.lora_a, dtype), out=d[:, :inter])  # dh, where d gate goes
+    concat_input_grad(gc, [down.weight], _cast(down.lora_a, dtype), d[:, :inter], max_windows)  # dh, where d gate goes
     t_d = t_d.clone() if need_da_d else None  # (M, r): lets the (M, K + r) gc go now
     del gc
     dh, d_up = d[:, :inter], d[:, inter : 2 * inter]
@@ -230,9 +234,10 @@ class LoraGateUpFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, a_g, b_g, a_u, b_u, s_g, s_u, w_g, w_u):
         projections = (LoraProjection(w_g, a_g, b_g, s_g), LoraProjection(w_u, a_u, b_u, s_u))
-        gate_out, up_out, xc = gate_up_forward(x, *projections)
+        windows = fused_op_windows()
+        gate_out, up_out, xc = gate_up_forward(x, *projections, windows.forward)
         ctx.save_for_backward(xc, a_g, b_g, a_u, b_u)
-        ctx.weights, ctx.scalings = (w_g, w_u), (s_g, s_u)
+        ctx.weights, ctx.scalings, ctx.windows = (w_g, w_u), (s_g, s_u), windows.backward
         return gate_out, up_out
 
     @staticmethod
@@ -244,7 +249,7 @@ class LoraGateUpFunction(torch.autograd.Function):
             d_up = torch.zeros_like(d_gate) if d_up is None else d_up
         d = _wide_grad(d_gate, d_up, a_g.shape[0] + a_u.shape[0])
         projections = (LoraProjection(w_g, a_g, b_g, s_g), LoraProjection(w_u, a_u, b_u, s_u))
-        grads = gate_up_backward(d, xc, *projections, ctx.needs_input_grad[:5])
+        grads = gate_up_backward(d, xc, *projections, ctx.needs_input_grad[:5], ctx.windows)
         return (*grads, None, None, None, None)
 
 
@@ -255,9 +260,10 @@ class SwiGLUDownFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate_out, up_out, a_d, b_d, s_d, w_d, extra):
-        y, xa_d = swiglu_down_forward(gate_out, up_out, LoraProjection(w_d, a_d, b_d, s_d))
+        windows = fused_op_windows()
+        y, xa_d = swiglu_down_forward(gate_out, up_out, LoraProjection(w_d, a_d, b_d, s_d), windows.forward)
         ctx.save_for_backward(gate_out, up_out, xa_d, a_d, b_d)
-        ctx.weight, ctx.scaling, ctx.extra = w_d, s_d, extra
+        ctx.weight, ctx.scaling, ctx.extra, ctx.windows = w_d, s_d, extra, windows.backward
         return y
 
     @staticmethod
@@ -266,7 +272,8 @@ class SwiGLUDownFunction(torch.autograd.Function):
         nig = ctx.needs_input_grad
         needs = (nig[0] or nig[1], nig[2], nig[3])
         down = LoraProjection(ctx.weight, a_d, b_d, ctx.scaling)
-        d, da_d, db_d = swiglu_down_backward(grad_y.contiguous(), gate_out, up_out, xa_d, down, ctx.extra, needs)
+        d, da_d, db_d = swiglu_down_backward(grad_y.contiguous(), gate_out, up_out, xa_d, down, ctx.extra, needs,
+                                             ctx.windows)  # fmt: skip
         inter = gate_out.shape[1]
         d_gate, d_up = (None, None) if d is None else (d[:, :inter], d[:, inter : 2 * inter])
         return d_gate, d_up, da_d, db_d, None, None, None

@@ -21,7 +21,7 @@ import torch
 from . import kernels
 from .dispatch import _use_triton, check_linear_args, fastlora_linear, without_autocast
 from .lora_group import LoraGroupFunction, check_group_args
-from .lora_linear import _cast, lora_b_grad, lora_linear_backward, lora_linear_forward
+from .lora_linear import _cast, fused_op_windows, lora_b_grad, lora_linear_backward, lora_linear_forward
 from .lora_mlp import LoraProjection, _scaled_mm_into, check_mlp_shapes, lora_mlp_ref
 from .quant_state import QuantizedWeight
 from .reference import silu_mul_ref
@@ -43,9 +43,11 @@ class SwiGLULoraFunction(torch.autograd.Function):
         swiglu = kernels.load().swiglu
         terms = _pending_terms(xa_gu, b_gate, b_up, s_gate, s_up, gate.dtype)
         h = swiglu.silu_mul(gate, up, gate_term=terms[0], up_term=terms[1])
-        out, xa = lora_linear_forward(h, bias, lora_a, lora_b, scaling, None, weight)
+        windows = fused_op_windows()
+        out, xa = lora_linear_forward(h, bias, lora_a, lora_b, scaling, None, weight, windows.forward)
         ctx.save_for_backward(gate, up, xa, lora_a, lora_b, xa_gu, b_gate, b_up)
         ctx.scaling, ctx.weight, ctx.gate_up_scalings = scaling, weight, (s_gate, s_up)
+        ctx.windows = windows.backward
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out
 
@@ -64,7 +66,8 @@ class SwiGLULoraFunction(torch.autograd.Function):
         dh, dbias, _, db, _, t = lora_linear_backward(grad_out.contiguous(), None, lora_a, lora_b, None, xa,
                                                       ctx.bias_dtype, ctx.scaling, needs, False, ctx.weight,
                                                       return_t=need_da or (pending and need_dh),
-                                                      low_rank_into_dx=not pending)  # fmt: skip
+                                                      low_rank_into_dx=not pending,
+                                                      max_windows=ctx.windows)  # fmt: skip
         gate_term, up_term = _pending_terms(xa_gu, b_gate, b_up, *ctx.gate_up_scalings, gate.dtype)
         dg = du = da = None
         if pending and need_dh:

@@ -125,8 +125,8 @@ def test_input_grad_is_summed_inside_the_matmuls(force_triton, monkeypatch):
     x = torch.randn(6, 64, requires_grad=True)
     calls, adds, a_grads = [], [], []
     real_grad, real_add, real_matmul = module._input_grad, module.add_low_rank_, module._matmul
-    monkeypatch.setattr(module, "_input_grad", lambda g, w, accumulate=None: calls.append(accumulate is not None)
-                        or real_grad(g, w, accumulate=accumulate))  # fmt: skip
+    monkeypatch.setattr(module, "_input_grad", lambda g, w, accumulate, windows: calls.append(accumulate is not None)
+                        or real_grad(g, w, accumulate, windows))  # fmt: skip
     monkeypatch.setattr(module, "add_low_rank_", lambda out, a, b, s: adds.append(a.shape[1])
                         or real_add(out, a, b, s))  # fmt: skip
     monkeypatch.setattr(module, "_matmul", lambda a, b, dtype: a_grads.append(tuple(a.shape))
@@ -138,9 +138,9 @@ def test_input_grad_is_summed_inside_the_matmuls(force_triton, monkeypatch):
 
 
 def test_windows_give_the_same_result(force_triton, monkeypatch):
-    """Inside a backward pass (the forward that checkpointing recomputes, and dx) the weights are cut into row windows
-    (forward) and column windows (backward, accumulating into dx); outside it, the first forward makes them whole.
-    Either way the result is what whole weights give."""
+    """Under checkpointing, inside the backward pass (the forward that checkpointing recomputes, and dx) the weights
+    are cut into row windows (forward) and column windows (backward, accumulating into dx); the first forward makes
+    them whole, and so does every pass without checkpointing. Either way the result is what whole weights give."""
     projections = group("nf4-nested", 128, (256, 128), (4, 8), (1.0, 2.0), torch.float32, bias=True)
     x = torch.randn(6, 128, requires_grad=True)
     grads = [torch.randn(6, 256), torch.randn(6, 128)]
@@ -155,8 +155,12 @@ def test_windows_give_the_same_result(force_triton, monkeypatch):
         torch.autograd.backward(ys, grads)
         return [y.detach() for y in ys] + [t.grad.clone() for t in leaves_of(x, projections)]
 
-    whole = run(False)
     outside, inside = record_windows(monkeypatch, lora_linear)
+    whole = run(False)
+    # without checkpointing the peak is elsewhere: W whole, forward and backward
+    assert len(outside) == 2 and len(inside) == 2 and all(len(w) == 1 for w in outside + inside)
+    outside.clear()
+    inside.clear()
     windowed = run(True)
     assert len(outside) == 2 and all(len(w) == 1 for w in outside)  # the first forward: W whole
     assert len(inside) == 4 and all(len(w) >= 2 for w in inside)  # the recomputed forward, then dx

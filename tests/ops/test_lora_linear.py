@@ -11,6 +11,7 @@ import weakref
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from peft_fastlora.ops import LoraLinearFunction, fastlora_linear, kernels
 from peft_fastlora.ops import lora_linear as lora_linear_module
@@ -189,29 +190,46 @@ def test_weight_windows_sizes(monkeypatch):
     assert weight_windows(0, 100, 30, 100, 8, 4, max_windows=1) == [(0, 100)]
 
 
-def test_fused_ops_cut_the_weight_in_backward_and_while_recording(monkeypatch):
-    """The fused ops' window cap: 1 in a plain forward, MAX_WINDOWS inside a backward pass (where checkpointing
-    recomputes) and while a CUDA graph records (host time is free there)."""
-    cap = lora_linear_module.fused_op_windows
-    assert cap() == 1
+def test_fused_ops_cut_the_weight_only_where_checkpointing_puts_the_peak(monkeypatch):
+    """The fused ops' windows ``(forward, backward)``: whole outside gradient checkpointing, recording or not; in a
+    checkpointed forward (under saved-tensor hooks) the backward is cut, the forward too while a CUDA graph records;
+    a recompute (inside a backward pass, either kind of checkpointing) cuts both."""
+    cap, most = lora_linear_module.fused_op_windows, lora_linear_module.MAX_WINDOWS
+    assert cap() == (1, 1) == lora_linear_module.WHOLE
     seen = []
 
     class Probe(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
-            seen.append(cap())
-            return x * 2
+            seen.append(("forward", tuple(cap())))
+            ctx.save_for_backward(x)  # (something for non-reentrant checkpointing to recompute)
+            return x * x
 
         @staticmethod
         def backward(ctx, grad):
-            seen.append(cap())
-            return grad * 2
+            (x,) = ctx.saved_tensors
+            seen.append(("backward", tuple(cap())))
+            return 2 * x * grad
 
-    Probe.apply(torch.randn(3, requires_grad=True)).sum().backward()
-    assert seen == [1, lora_linear_module.MAX_WINDOWS]
+    x = torch.randn(3, requires_grad=True)
+    Probe.apply(x).sum().backward()
+    assert seen == [("forward", (1, 1)), ("backward", (most, most))]
+    seen.clear()
+    checkpoint(Probe.apply, x, use_reentrant=False).sum().backward()
+    assert seen == [("forward", (1, most)), ("forward", (most, most)), ("backward", (most, most))]
+    seen.clear()
+    checkpoint(Probe.apply, x, use_reentrant=True).sum().backward()
+    assert seen == [("forward", (1, 1)), ("forward", (most, most)), ("backward", (most, most))]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert cap() == lora_linear_module.MAX_WINDOWS
+    assert cap() == (1, 1)  # recording a step without checkpointing
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert cap() == (most, most)  # recording a checkpointed forward
+    with lora_linear_module.kept_under_checkpointing():
+        assert cap() == (most, most)  # recording the block that checkpointing keeps
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        assert cap() == (1, most)  # its eager forward
+    assert cap() == (1, 1)
 
 
 @pytest.mark.parametrize("kind, n, k", [

@@ -82,9 +82,10 @@ def test_fused_matches_fp32_autograd(force_triton, lead, hidden, inter, kind, ra
 
 
 def test_windows_give_the_same_result(force_triton, monkeypatch):
-    """Inside a backward pass (the forward that checkpointing recomputes, and the input grads) weights are cut into
-    row windows (forward) and column windows (backward), each next to its slice of the adapter factors; the first
-    forward, outside it, makes them whole. Either way the result is what whole weights give."""
+    """Under checkpointing, inside the backward pass (the forward that checkpointing recomputes, and the input grads)
+    weights are cut into row windows (forward) and column windows (backward), each next to its slice of the adapter
+    factors; the first forward makes them whole, and so does every pass without checkpointing. Either way the result
+    is what whole weights give."""
     projections = mlp("nf4-nested", 128, 256, torch.float32, ranks=(4, 8, 8))
     x = torch.randn(6, 128, requires_grad=True)
     grad = torch.randn(6, 128)
@@ -99,9 +100,13 @@ def test_windows_give_the_same_result(force_triton, monkeypatch):
         y.backward(grad)
         return [y.detach()] + [t.grad.clone() for t in leaves_of(x, projections)]
 
-    whole = run(False)
     module = importlib.import_module("peft_fastlora.ops.lora_mlp")  # (the package's `lora_mlp` is the function)
     outside, inside = record_windows(monkeypatch, module)
+    whole = run(False)
+    # without checkpointing the peak is elsewhere: W whole, forward and backward
+    assert len(outside) == 3 and len(inside) == 2 and all(len(w) == 1 for w in outside + inside)
+    outside.clear()
+    inside.clear()
     windowed = run(True)
     assert outside and all(len(w) == 1 for w in outside)  # the first forward: W whole
     # the recomputed forward's gate, up and down, then dh and dx: each cut
