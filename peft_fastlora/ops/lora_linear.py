@@ -87,7 +87,7 @@ def fused_op_windows() -> Windows:
     fused MLP's backward, or in the forward that checkpointing recomputes there (1.972 -> 1.902 GiB at batch 1 on the
     benchmark model). Without checkpointing the windows lowered no peak (H100: 3.405 GiB at batch 1 and 8.750 at
     batch 4 with and without) and cost time: host time per launch, and GPU time too, smaller matmuls and more
-    dequant launches (the recorded batch-1 step, H200: 35.2 ms with the forward in windows, 34.5 ms without). So an
+    dequant launches (the recorded batch-1 step without checkpointing, H200: 35.2 ms in windows, 33.3-33.7 whole). So an
     op takes windows only in a checkpointed forward: one under saved-tensor hooks (non-reentrant checkpointing, and the
     activation offload inside it), inside a backward pass (a recompute, either kind) or in a block that checkpointing
     keeps ([`kept_under_checkpointing`]: the kept block's backward held 10 MB more whole). There its backward takes
