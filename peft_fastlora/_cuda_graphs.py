@@ -3,6 +3,7 @@ and how one is made."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Optional
 
@@ -34,24 +35,42 @@ class RecordedModel:
     """What a recording baked in of a model, checked per replay at a fraction of [`model_fingerprint`]'s cost (it
     walks every module by name, milliseconds on a slow host for an 8-layer PEFT model): the module tree (a layer
     swapped, e.g. by ``merge_and_unload``), every parameter and buffer (the same tensor object at the same address),
-    each adapter layer's active adapters and disabled / merged flags, and train/eval mode of the top module."""
+    each adapter layer's active adapters and disabled / merged flags, and train/eval mode of the top module.
+
+    The check runs before every replay while the GPU waits (in a loop that syncs each step, as one that logs its loss
+    does): on an H200's host the whole per-replay check of `GraphedTrainStep` took 0.54 ms at batch 1, 1.5 % of the
+    recorded step. So its loops are ``map``s over flat columns, run in C, not Python generators: on an 8-layer
+    fast-path model (917 entries, 245 tensors, 58 adapter layers) 264 µs a check as generators, 106 µs now (2-core
+    CPU host)."""
 
     def __init__(self, model: nn.Module) -> None:
         modules = list(model.modules())
         self.model, self.training = model, model.training
-        self.tree = [(m._modules, name, child) for m in modules for name, child in m._modules.items()]
-        self.tensors = [(table, name, t, t.data_ptr()) for m in modules for table in (m._parameters, m._buffers)
-                        for name, t in table.items() if t is not None]  # fmt: skip
+        tree = [(m._modules, name, child) for m in modules for name, child in m._modules.items()]
+        tensors = [(table, name, t) for m in modules for table in (m._parameters, m._buffers)
+                   for name, t in table.items() if t is not None]  # fmt: skip
+        # columns: each lookup table (a module's _modules / _parameters / _buffers), the name in it, what it held
+        self._tables = [table for table, _, _ in tree + tensors]
+        self._names = [name for _, name, _ in tree + tensors]
+        self._held = [held for _, _, held in tree + tensors]
+        self._tensors = [t for _, _, t in tensors]
+        self._pointers = self._addresses()
         self.adapters = [m for m in modules if adapter_flags(m) is not None]
         self.adapter_state = self._adapter_state()
 
     def _adapter_state(self) -> list:
         return [adapter_flags(m) for m in self.adapters]
 
+    def _addresses(self) -> list[int]:
+        # Without subclasses' __torch_function__ (bitsandbytes' Params4bit has one), which made each data_ptr() 4x
+        # the cost: 148 against 34 µs for the 245 tensors of that model. The address is the storage's either way.
+        with torch._C.DisableTorchFunctionSubclass():
+            return list(map(torch.Tensor.data_ptr, self._tensors))
+
     def unchanged(self) -> bool:
         return (self.model.training == self.training
-                and all(table.get(name) is child for table, name, child in self.tree)
-                and all(table.get(name) is t and t.data_ptr() == ptr for table, name, t, ptr in self.tensors)
+                and all(map(operator.is_, map(dict.get, self._tables, self._names), self._held))
+                and self._addresses() == self._pointers
                 and self._adapter_state() == self.adapter_state)  # fmt: skip
 
 

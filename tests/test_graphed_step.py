@@ -219,6 +219,12 @@ def test_recorded_model_notices_what_a_replay_would_get_wrong(tiny_llama_path):
     with torch.no_grad():
         lora_a.data = lora_a.data.clone()  # same Parameter, new storage
     assert not recorded.unchanged()
+    recorded = RecordedModel(model)
+    quantized = layer.base_layer.weight  # a bitsandbytes Params4bit: read without its __torch_function__
+    assert type(quantized).__name__ == "Params4bit" and recorded.unchanged()
+    with torch.no_grad():
+        quantized.data = quantized.data.clone()
+    assert not recorded.unchanged()
     changes = [
         lambda m: m.add_adapter("other", fast_config()) or m.set_adapter("other"),
         lambda m: m.get_base_model().model.layers[1].mlp.down_proj.merge(),
