@@ -302,6 +302,18 @@ def train_step(model, optimizer, ids: torch.Tensor, device: torch.device) -> tor
     return loss.detach()
 
 
+def make_step(model, optimizer, ids: torch.Tensor, device: torch.device, graphed: bool):
+    """``(step, graph)``: a call running one training step on ``ids``, eager ([`train_step`]) or (``graphed``) a
+    replay of a ``GraphedTrainStep`` recorded here, which is ``graph`` (else None; the caller releases it)."""
+    if not graphed:
+        return functools.partial(train_step, model, optimizer, ids, device), None
+    from peft_fastlora import GraphedTrainStep
+
+    inputs = {"input_ids": ids, "labels": ids}
+    graph = GraphedTrainStep(model, optimizer, inputs, autocast_dtype=torch.bfloat16)
+    return functools.partial(graph, inputs), graph
+
+
 def run_training(model, batch: int, ckpt: bool, args, device: torch.device, vocab: int, progress,
                  graphed: bool = False) -> dict:
     """Times ``train_step`` (or, ``graphed``, a ``GraphedTrainStep`` of the same step: its recording, warm-up
@@ -313,15 +325,7 @@ def run_training(model, batch: int, ckpt: bool, args, device: torch.device, voca
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    graph = None
-    if graphed:
-        from peft_fastlora import GraphedTrainStep
-
-        inputs = {"input_ids": ids, "labels": ids}
-        graph = GraphedTrainStep(model, optimizer, inputs, autocast_dtype=torch.bfloat16)
-        step = functools.partial(graph, inputs)
-    else:
-        step = functools.partial(train_step, model, optimizer, ids, device)
+    step, graph = make_step(model, optimizer, ids, device, graphed)
     times, host, loss = [], [], None
     try:
         for i in range(args.warmup_steps + args.steps):
@@ -419,15 +423,8 @@ def run_profile(model, provider: str, batch: int, ckpt: bool, args, device: torc
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(3, vocab, (batch, args.seq), device=device)
-    graph = None
-    if PROVIDERS[provider][1] in GRAPHED_TUNERS:  # the recorded step: its replay is profiled
-        from peft_fastlora import GraphedTrainStep
-
-        inputs = {"input_ids": ids, "labels": ids}
-        graph = GraphedTrainStep(model, optimizer, inputs, autocast_dtype=torch.bfloat16)
-        step = functools.partial(graph, inputs)
-    else:
-        step = functools.partial(train_step, model, optimizer, ids, device)
+    # the recorded step's replay is profiled for a graphed provider
+    step, graph = make_step(model, optimizer, ids, device, PROVIDERS[provider][1] in GRAPHED_TUNERS)
     try:
         step()
         C.sync(device)

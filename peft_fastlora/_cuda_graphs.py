@@ -50,9 +50,10 @@ class RecordedModel:
         tensors = [(table, name, t) for m in modules for table in (m._parameters, m._buffers)
                    for name, t in table.items() if t is not None]  # fmt: skip
         # columns: each lookup table (a module's _modules / _parameters / _buffers), the name in it, what it held
-        self._tables = [table for table, _, _ in tree + tensors]
-        self._names = [name for _, name, _ in tree + tensors]
-        self._held = [held for _, _, held in tree + tensors]
+        entries = tree + tensors
+        self._tables = [table for table, _, _ in entries]
+        self._names = [name for _, name, _ in entries]
+        self._held = [held for _, _, held in entries]
         self._tensors = [t for _, _, t in tensors]
         self._pointers = self._addresses()
         self.adapters = [m for m in modules if adapter_flags(m) is not None]

@@ -112,7 +112,9 @@ class _NotRecomputed:
         self.__wrapped__ = checkpoint_func
 
     def __call__(self, function, *args, **kwargs):
-        if torch.compiler.is_compiling():  # (a compiled block runs the reference ops, which take no windows)
+        # Under torch.compile the mark would be a context variable for dynamo to trace, and would mark nothing: a
+        # compiled region runs the reference ops, which take no windows.
+        if torch.compiler.is_compiling():
             return function(*args, **kwargs)
         with kept_under_checkpointing():
             return function(*args, **kwargs)
