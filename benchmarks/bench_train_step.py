@@ -415,7 +415,8 @@ def round_rates(row: Optional[dict]) -> list[Optional[float]]:
 
 def run_profile(model, provider: str, batch: int, ckpt: bool, args, device: torch.device, vocab: int,
                 out: Path) -> Path:
-    """One profiled training step (after one warm-up step); writes where the GPU idled and the top-20 kernels."""
+    """One profiled training step (after one warm-up step); writes where the GPU idled, the top ``--profile-rows``
+    kernels and operators, and (eager steps) the operators grouped by input shapes, which tells the matmuls apart."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -425,11 +426,12 @@ def run_profile(model, provider: str, batch: int, ckpt: bool, args, device: torc
     ids = torch.randint(3, vocab, (batch, args.seq), device=device)
     # the recorded step's replay is profiled for a graphed provider
     step, graph = make_step(model, optimizer, ids, device, PROVIDERS[provider][1] in GRAPHED_TUNERS)
+    replayed = graph is not None
     try:
         step()
         C.sync(device)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, record_shapes=not replayed) as prof:
             step()
             C.sync(device)
     finally:
@@ -444,8 +446,9 @@ def run_profile(model, provider: str, batch: int, ckpt: bool, args, device: torc
             entry[0] += evt.time_range.elapsed_us()
             entry[1] += 1
     total_us = sum(v[0] for v in kernels.values())
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[: args.profile_rows]
     rows = [dict(rank=i + 1, kernel=name[:110], calls=n, total_ms=us / 1e3, pct_gpu_time=100 * us / total_us)
-            for i, (name, (us, n)) in enumerate(sorted(kernels.items(), key=lambda kv: -kv[1][0])[:20])]  # fmt: skip
+            for i, (name, (us, n)) in enumerate(top)]  # fmt: skip
     tag = f"{provider}_b{batch}_ckpt-{'on' if ckpt else 'off'}"
     lines = [f"# {line}" for line in C.header_lines(C.env_info(device))]
     launches = sum(v[1] for v in kernels.values())
@@ -454,11 +457,14 @@ def run_profile(model, provider: str, batch: int, ckpt: bool, args, device: torc
     lines += C.timeline_lines(prof.events())
     if rows:
         lines.append(C.format_table(rows, ["rank", "kernel", "calls", "total_ms", "pct_gpu_time"],
-                                    "top-20 CUDA kernels by total GPU time"))  # fmt: skip
+                                    f"top-{args.profile_rows} CUDA kernels by total GPU time"))  # fmt: skip
     sort_keys = ("self_cuda_time_total", "self_device_time_total") if device.type == "cuda" else ()
     for key in (*sort_keys, "self_cpu_time_total"):
         try:
-            lines += ["", f"operators by {key}:", prof.key_averages().table(sort_by=key, row_limit=20)]
+            lines += ["", f"operators by {key}:", prof.key_averages().table(sort_by=key, row_limit=args.profile_rows)]
+            if not replayed:  # a replay has no operators, an eager step's are told apart by their shapes
+                table = prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=args.profile_rows)
+                lines += ["", f"operators by input shapes, by {key}:", table]
             break
         except Exception:
             continue
@@ -715,8 +721,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter-dtype", default="default", choices=["default", "bf16"],
                    help="default: what get_peft_model gives (PEFT upcasts its adapters to fp32, FastLoRA follows "
                         "its adapter_dtype policy: bf16 here); bf16: bf16 adapters for every provider")
-    p.add_argument("--profile", help="comma-separated providers to profile one training step of (top-20 kernels)")
+    p.add_argument("--profile", help="comma-separated providers to profile one training step of (top kernels)")
     p.add_argument("--profile-batch", type=int, default=1)
+    p.add_argument("--profile-rows", type=int, default=20, help="kernels and operators listed per profile table")
     p.add_argument("--profile-ckpt", default="off", choices=["off", "on"])
     p.add_argument("--model-dir", type=Path, help="where the random model is saved (reused if it holds one)")
     p.add_argument("--keep-model", action="store_true", help="do not delete --model-dir at the end")

@@ -38,6 +38,7 @@ from torch import nn
 
 from ._forward import set_instance_forward
 from .block_checkpointing import apply_checkpoint_policy
+from .fast_norms import apply_rms_norms
 from .fused_loss import apply_fused_loss, fused_loss_refusal, plain_head
 from .ops import LoraProjection, grouped_lora_mlp, lora_mlp, lora_mlp_fusable, swiglu_lora_linear
 from .projection_group import group_projections as group_projections_of
@@ -62,6 +63,7 @@ class FastPathReport:
         projection_groups (`int`): How many q/k/v and gate/up projection sets train as one op
             (``group_projections``).
         fused_loss (`bool`): Whether training forwards compute the LM head and loss with the fused loss.
+        rms_norms (`int`): How many of Liger's RMSNorms train through ``ops.rms_norm`` (``fast_norms.py``).
         offload_activations (`bool`): Whether checkpointed activations go to CPU memory.
         last_block_kept (`bool`): Whether gradient checkpointing leaves the last decoder block's activations in place
             instead of recomputing them (``recompute_last_block=False``, on models with checkpointable blocks).
@@ -76,12 +78,14 @@ class FastPathReport:
     fused_mlps: int = 0
     projection_groups: int = 0
     fused_loss: bool = False
+    rms_norms: int = 0
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         liger = ", ".join(self.liger_kernels) if self.liger_kernels else "none"
         text = (f"FastLoRA fast path on {self.model_type}: fused loss: {'on' if self.fused_loss else 'off'}; "
-                f"Liger kernels: {liger}; fused SwiGLU MLPs: {self.fused_mlps}; "
+                f"Liger kernels: {liger}; RMSNorms with the row-wise backward: {self.rms_norms}; "
+                f"fused SwiGLU MLPs: {self.fused_mlps}; "
                 f"projection groups: {self.projection_groups}; "
                 f"compiled decoder blocks: {self.compiled_blocks}; "
                 f"activation offload: {'on' if self.offload_activations else 'off'}; "
@@ -183,6 +187,8 @@ def enable_fast_path(
         report.liger_kernels = _apply_liger(hf_model, model_type, strict=liger is True, compiled=compile_now,
                                             notes=report.notes, only=only, swiglu=not mlps,
                                             loss=not report.fused_loss)  # fmt: skip
+    if "rms_norm" in report.liger_kernels:
+        report.rms_norms = apply_rms_norms(hf_model)
     if mlps and only is not None and "swiglu" in only:
         report.notes.append("Liger's swiglu replaced by the fused MLP (fuse_mlp=False keeps it)")
     for mlp in mlps:

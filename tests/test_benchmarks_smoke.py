@@ -186,6 +186,7 @@ def test_bench_train_step_tiny_cpu(tmp_path):
     assert (tmp_path / "setup.csv").exists()
     profile = next(tmp_path.glob("profile_fastlora-nf4_*.txt")).read_text()
     assert "aten::" in profile  # on the CPU: the operator table (no CUDA kernels)
+    assert "operators by input shapes" in profile  # an eager step's operators told apart by their shapes
 
     # --replot derives the same-round ratios again from round_tokens_per_s alone.
     (tmp_path / "train_step.png").unlink()

@@ -18,7 +18,7 @@ import torch
 from peft import get_peft_model
 
 import peft_fastlora
-from peft_fastlora import block_checkpointing, fast_path
+from peft_fastlora import block_checkpointing, fast_norms, fast_path
 from peft_fastlora.ops import FORCE_TRITON_ENV
 from tests.utils import TINY_LLAMA, fast_config, load_quantized, save_tiny_llama, saved_bytes, tiny_tokenizer, tokens
 
@@ -606,9 +606,13 @@ def restore_llama_module(monkeypatch):
 
 
 def _has_liger_rms_norm(model) -> bool:
-    """Liger patches the final norm either by class or by binding its forward to the instance."""
+    """Liger patches the final norm either by class or by binding its forward to the instance (which the fast path's
+    row-wise norm keeps as the forward it replaced, ``fast_norms.py``)."""
     norm = model.get_base_model().model.norm
-    return type(norm).__name__ == "LigerRMSNorm" or norm.forward.__func__.__qualname__.startswith("LigerRMSNorm")
+    forward = norm.forward
+    if getattr(forward, "__func__", None) is fast_norms._rms_norm_forward:
+        forward = forward.__wrapped__
+    return type(norm).__name__ == "LigerRMSNorm" or forward.__func__.__qualname__.startswith("LigerRMSNorm")
 
 
 @pytest.mark.gpu
@@ -620,7 +624,8 @@ def test_fast_path_with_liger_tracks_plain_fastlora_over_20_steps(path, request,
     for use_fast in (False, True):
         model = fastlora_model(path, device="cuda")
         if use_fast:  # on the blocks model, the whole-MLP op
-            assert peft_fastlora.enable_fast_path(model, liger=True, fuse_mlp="all").liger_kernels
+            report = peft_fastlora.enable_fast_path(model, liger=True, fuse_mlp="all")
+            assert report.liger_kernels and report.rms_norms == 2 * model.config.num_hidden_layers + 1
         model.train()
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         curve = []

@@ -13,6 +13,7 @@ from peft_fastlora.graphed_step import (
     GraphedTrainStep,
     _plain_causal,
     _prepare_optimizer,
+    _takes_fused_update,
     _TrainingState,
     causal_attention,
 )
@@ -140,6 +141,14 @@ def test_training_state_put_back_after_the_warm_up(stepped_before):
             torch.testing.assert_close(value, expected, atol=0, rtol=0, msg=key)
 
 
+@pytest.mark.parametrize("choice", [{}, {"foreach": True}, {"foreach": False}, {"fused": True}], ids=str)
+def test_only_an_update_left_to_torch_is_made_fused(choice):
+    param = torch.nn.Parameter(torch.randn(4))
+    group = torch.optim.AdamW([param], lr=1e-3, **choice).param_groups[0]
+    assert not _takes_fused_update(group, torch.device("cpu"))  # CPU: no recording
+    assert not _takes_fused_update(group, torch.device("cuda"))  # parameters elsewhere than the recording
+
+
 def test_optimizer_made_recordable_in_place():
     params = [torch.nn.Parameter(torch.randn(4))]
     optimizer = torch.optim.AdamW(params, lr=3e-4)
@@ -147,6 +156,7 @@ def test_optimizer_made_recordable_in_place():
     (lr,) = _prepare_optimizer(optimizer, torch.device("cpu"))
     group = optimizer.param_groups[0]
     assert group["capturable"] is True and group["lr"] is lr and lr.dtype == torch.float32
+    assert not group["fused"]  # the fused update is for CUDA recordings only
     torch.testing.assert_close(lr, torch.tensor(3e-4))
     schedule.step()  # schedulers fill the tensor in place
     assert optimizer.param_groups[0]["lr"] is lr
@@ -322,6 +332,8 @@ def test_recorded_step_trains_like_the_eager_step(tiny_llama_path, fast_path, ck
     expected, expected_norms, eager = _step_loop(eager_model, batches, 2, 0.05, torch.bfloat16, cuda_graphs=False)
     got, norms, step = _step_loop(graphed_model, batches, 2, 0.05, torch.bfloat16)
     assert step.cuda_graphs and step._graphs is not None
+    # the recorded update is torch's fused one (the optimizer left the choice to torch), the eager one multi-tensor
+    assert step.optimizer.param_groups[0]["fused"] and not eager.optimizer.param_groups[0]["fused"]
     assert step.first_grads.keys() == eager.first_grads.keys() and step.first_grads
     for name, grad in eager.first_grads.items():  # the recorded backward, before any update
         _assert_close_scaled(step.first_grads[name], grad, name, 1e-2)

@@ -10,6 +10,7 @@
 - ``lora_mlp.py``: [`lora_mlp`], a whole SwiGLU MLP of three LoRA projections, each LoRA term inside its matmul;
 - ``lora_group.py``: [`lora_linear_group`], LoRA projections of one input (q, k, v) as one op;
 - ``linear_cross_entropy.py``: [`linear_cross_entropy`], the LM head fused with its loss (no full logits);
+- ``rms_norm.py``: [`rms_norm`], RMSNorm whose backward reads each row once (the fast path's norms);
 - ``kernels/``: everything that imports Triton.
 
 ops/ never imports peft or bitsandbytes. Caching inside ops/ is documented where it lives: per weight in
@@ -23,6 +24,7 @@ from .lora_group import LoraGroupFunction, lora_linear_group
 from .lora_linear import LoraLinearFunction
 from .lora_mlp import LoraGateUpFunction, LoraProjection, SwiGLUDownFunction, lora_mlp, lora_mlp_fusable
 from .quant_state import Int8Rowwise, Packed4bit, QuantizedWeight
+from .rms_norm import RMSNormFunction, rms_norm
 from .swiglu_lora import SwiGLULoraFunction, grouped_lora_mlp, swiglu_lora_linear
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "LoraProjection",
     "Packed4bit",
     "QuantizedWeight",
+    "RMSNormFunction",
     "SwiGLUDownFunction",
     "SwiGLULoraFunction",
     "dequantize",
@@ -45,5 +48,6 @@ __all__ = [
     "lora_mlp",
     "lora_mlp_fusable",
     "prepare_small_m_call",
+    "rms_norm",
     "swiglu_lora_linear",
 ]

@@ -201,3 +201,24 @@ def cross_entropy_grad_ref(logits: torch.Tensor, target: torch.Tensor, grad_scal
     grad.mul_(torch.where(valid, grad_scale, 0.0).unsqueeze(1))
     logits.copy_(grad)
     return loss
+
+
+def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm over the last dim in ``x.dtype``: ``x * rstd`` in fp32 rounded to ``x.dtype``, then times
+    ``weight + offset`` in fp32 with one more rounding (twin of ``kernels.rms_norm.rms_norm_forward``)."""
+    normed = (x.float() * _rstd(x, eps)).to(x.dtype)
+    return (normed.float() * (weight.float() + offset)).to(x.dtype)
+
+
+def rms_norm_backward_ref(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                          offset: float = 0.0) -> torch.Tensor:  # fmt: skip
+    """``dx`` of [`rms_norm_ref`] in ``x.dtype``, fp32 math: ``rstd * m - rstd^3 / n * sum(m * x) * x`` with
+    ``m = grad * (weight + offset)`` (twin of ``kernels.rms_norm.rms_norm_backward``)."""
+    x32, rstd = x.float(), _rstd(x, eps)
+    m = grad.float() * (weight.float() + offset)
+    dx = rstd * m - rstd.pow(3) / x.shape[-1] * (m * x32).sum(-1, keepdim=True) * x32
+    return dx.to(x.dtype)

@@ -8,6 +8,7 @@
 - ``swiglu.py``: ``silu(gate) * up`` and its backward (the fused MLP down projection's elementwise half);
 - ``lowrank.py``: ``out += scaling * a @ b.T`` in place (LoRA's term added into an output or an input grad);
 - ``cross_entropy.py``: cross-entropy of a chunk of logits, its gradient written over them (the fused loss's half);
+- ``rms_norm.py``: RMSNorm of rows and its input gradient, one program per row (the fast path's norms);
 - ``tuning.py``: the small-M tuning table (no Triton).
 
 The rest of ops/ reaches the kernels only through [`load`], so that ``import peft_fastlora`` works where Triton is
@@ -26,10 +27,10 @@ _loaded = False
 
 def load() -> ModuleType:
     """Imports the kernels on first use and returns this package, with ``dequant``, ``small_m``, ``swiglu``,
-    ``lowrank`` and ``cross_entropy`` loaded."""
+    ``lowrank``, ``cross_entropy`` and ``rms_norm`` loaded."""
     global _loaded
     if not _loaded:
-        from . import cross_entropy, dequant, lowrank, small_m, swiglu  # noqa: F401
+        from . import cross_entropy, dequant, lowrank, rms_norm, small_m, swiglu  # noqa: F401
 
         _loaded = True
     return sys.modules[__name__]
