@@ -17,6 +17,7 @@ from torch import nn
 
 from ._forward import InstanceForward, set_instance_forward
 from .ops import rms_norm
+from .ops.rms_norm import supports as rms_norm_supports
 
 _LIGER_FORWARD = "LigerRMSNorm.forward"
 
@@ -47,7 +48,6 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """``ops.rms_norm`` where a backward will follow (the input needs a gradient); else Liger's forward. (Off CUDA
     ``ops.rms_norm`` is its pure-torch twin: Liger's kernels need CUDA anyway.)"""
     if (hidden_states.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and hidden_states.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and hidden_states.shape[-1] <= 16384):  # fmt: skip
+            and rms_norm_supports(hidden_states, self.weight)):  # fmt: skip
         return rms_norm(hidden_states, self.weight, self.variance_epsilon, self.offset)
     return self.forward.__wrapped__(hidden_states)

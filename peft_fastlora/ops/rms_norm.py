@@ -15,6 +15,15 @@ from . import kernels, reference
 from .dispatch import _use_triton
 
 
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether [`rms_norm`] takes rows like ``x`` with ``weight``: float dtypes, and on the Triton path rows that fit
+    one program (``kernels.rms_norm.MAX_BLOCK``)."""
+    floats = (torch.float16, torch.bfloat16, torch.float32)
+    if x.dtype not in floats or weight.dtype not in floats:
+        return False
+    return not _use_triton(x.device) or kernels.load().rms_norm.supports(x, weight)
+
+
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
     if _use_triton(x.device):
         return kernels.load().rms_norm.rms_norm_forward(x, weight, eps, offset)
@@ -64,7 +73,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     if x.shape[-1] != weight.shape[-1] or weight.dim() != 1:
         raise ValueError(f"rms_norm needs `weight` of shape ({x.shape[-1]},) for x of shape {tuple(x.shape)}, got "
                          f"{tuple(weight.shape)}.")  # fmt: skip
-    if x.is_cuda and not kernels.load().rms_norm.supports(x, weight):
-        raise ValueError(f"rms_norm takes fp16/bf16/fp32 rows up to {kernels.load().rms_norm.MAX_BLOCK} wide, got "
+    if not supports(x, weight):
+        raise ValueError(f"rms_norm takes fp16/bf16/fp32 `x` and `weight` (on CUDA rows up to 32768 wide), got "
                          f"{x.dtype} x {x.shape[-1]} with a {weight.dtype} weight.")  # fmt: skip
     return RMSNormFunction.apply(x, weight, float(eps), float(offset))

@@ -9,6 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from peft_fastlora.ops import RMSNormFunction, kernels, rms_norm
 from peft_fastlora.ops.reference import rms_norm_backward_ref, rms_norm_ref
+from peft_fastlora.ops.rms_norm import supports as rms_norm_supports
 
 from .helpers import DEVICE
 
@@ -105,6 +106,19 @@ def test_function_gives_input_and_weight_grads(reference_path, dtype, atol, rtol
 def test_bad_weight_is_refused_by_name(weight_shape, x_shape):
     with pytest.raises(ValueError, match="`weight`"):
         rms_norm(torch.randn(*x_shape), torch.ones(*weight_shape), 1e-6)
+
+
+def test_rows_wider_than_a_program_are_refused_on_the_triton_path(force_triton):
+    x, weight = torch.randn(2, 40000), torch.ones(40000)
+    assert not rms_norm_supports(x, weight)
+    with pytest.raises(ValueError, match="32768 wide"):
+        rms_norm(x, weight, 1e-6)
+
+
+def test_integer_rows_are_refused(reference_path):
+    assert not rms_norm_supports(torch.ones(2, 8, dtype=torch.int32), torch.ones(8))
+    with pytest.raises(ValueError, match="`x` and `weight`"):
+        rms_norm(torch.ones(2, 8, dtype=torch.int32), torch.ones(8), 1e-6)
 
 
 @pytest.mark.gpu
