@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ._forward import InstanceForward, set_instance_forward
-from .ops import rms_norm
+from .ops import RMSNormFunction
 from .ops.rms_norm import supports as rms_norm_supports
 
 _LIGER_FORWARD = "LigerRMSNorm.forward"
@@ -49,5 +49,6 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     ``ops.rms_norm`` is its pure-torch twin: Liger's kernels need CUDA anyway.)"""
     if (hidden_states.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling()
             and rms_norm_supports(hidden_states, self.weight)):  # fmt: skip
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon, self.offset)
+        # the op's own door would check the same again: this runs once per norm per step
+        return RMSNormFunction.apply(hidden_states, self.weight, float(self.variance_epsilon), float(self.offset))
     return self.forward.__wrapped__(hidden_states)
