@@ -51,7 +51,9 @@ class GraphedTrainStep:
 
     ``step = GraphedTrainStep(model, optimizer, example_batch)`` records; each ``loss = step(batch)`` copies ``batch``
     into the recorded inputs, replays the forward + backward and, every ``accumulation_steps`` calls, the optimizer
-    update (which then zeroes the gradients). Numerics are those of the same eager step (the same kernels run). Works
+    update (which then zeroes the gradients). Numerics are those of the same eager step (the same kernels run), but
+    for an optimizer left to torch's default implementation, whose recorded update is torch's fused one (fp32 math;
+    within bf16 rounding of the multi-tensor update, see [`_takes_fused_update`]). Works
     with the fast path ([`enable_fast_path`], activation offload included), gradient checkpointing of either kind,
     LoRA dropout (the RNG advances per replay) and LR schedulers. For fixed-shape batches (pad or pack to one
     sequence length); bf16 or fp32 training (fp16's gradient scaler reads its overflow flag on the host).

@@ -44,7 +44,7 @@ def _rms_norm_rows_forward_kernel(y_ptr, x_ptr, w_ptr, cols, eps, offset, BLOCK:
 
 @triton.jit
 def _rms_norm_rows_backward_kernel(dx_ptr, dy_ptr, x_ptr, w_ptr, cols, eps, offset, BLOCK: tl.constexpr,
-                              INTERPRET: tl.constexpr):  # fmt: skip
+                                   INTERPRET: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols_ = tl.arange(0, BLOCK)
     inside = cols_ < cols
@@ -95,4 +95,3 @@ def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                 is_interpreted(_rms_norm_rows_backward_kernel))
         launch(_rms_norm_rows_backward_kernel, (x2d.shape[0],), args, x.device, num_warps=_num_warps(block))
     return dx.view(x.shape)
-
