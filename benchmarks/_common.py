@@ -761,17 +761,16 @@ def timeline_lines(events, min_gap_us: float = 5.0, top: int = 15) -> list[str]:
     """
     from torch.autograd import DeviceType
 
-    gpu, cpu, kernels = [], [], []
+    cpu, kernels = [], []
     for evt in events:
-        rng = (evt.time_range.start, evt.time_range.end)
+        entry = (evt.time_range.start, evt.time_range.end, evt.name)
         if evt.device_type == DeviceType.CUDA:
-            gpu.append(rng)
-            kernels.append((rng[0], rng[1], evt.name))
+            kernels.append(entry)
         elif evt.device_type == DeviceType.CPU:
-            cpu.append((rng[0], rng[1], evt.name))
-    if not gpu or not cpu:
+            cpu.append(entry)
+    if not kernels or not cpu:
         return ["(no GPU or host events recorded)"]
-    busy = _merge(gpu)
+    busy = _merge([(start, end) for start, end, _ in kernels])
     span_start = min(c[0] for c in cpu)
     span_end = max(max(c[1] for c in cpu), busy[-1][1])
     busy_us = sum(b - a for a, b in busy)

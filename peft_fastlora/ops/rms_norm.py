@@ -13,15 +13,15 @@ import torch
 
 from . import kernels, reference
 from .dispatch import _use_triton
+from .quant_state import FLOAT_DTYPES
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether [`rms_norm`] takes rows like ``x`` with ``weight``: float dtypes, and on the Triton path rows that fit
     one program (``kernels.rms_norm.MAX_BLOCK``)."""
-    floats = (torch.float16, torch.bfloat16, torch.float32)
-    if x.dtype not in floats or weight.dtype not in floats:
+    if x.dtype not in FLOAT_DTYPES or weight.dtype not in FLOAT_DTYPES:
         return False
-    return not _use_triton(x.device) or kernels.load().rms_norm.supports(x, weight)
+    return not _use_triton(x.device) or kernels.load().rms_norm.fits(x.shape[-1])
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
@@ -39,7 +39,7 @@ def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 def rms_norm_weight_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``sum over rows of grad * round(x * rstd)`` in fp32, returned in ``weight``'s dtype."""
-    normed = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    normed = (x.float() * reference._rstd(x, eps)).to(x.dtype)
     return (grad.float() * normed.float()).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
 
 

@@ -57,10 +57,9 @@ def _rms_norm_rows_backward_kernel(dx_ptr, dy_ptr, x_ptr, w_ptr, cols, eps, offs
     tl.store(dx_ptr + row * cols + cols_, round_to(dx, dx_ptr.dtype.element_ty, INTERPRET), mask=inside)
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether [`rms_norm_forward`] / [`rms_norm_backward`] take a row width and dtypes like these."""
-    floats = (torch.float16, torch.bfloat16, torch.float32)
-    return x.dtype in floats and weight.dtype in floats and next_power_of_2(x.shape[-1]) <= MAX_BLOCK
+def fits(cols: int) -> bool:
+    """Whether rows ``cols`` wide fit one program of [`rms_norm_forward`] / [`rms_norm_backward`]."""
+    return next_power_of_2(cols) <= MAX_BLOCK
 
 
 def _num_warps(block: int) -> int:
