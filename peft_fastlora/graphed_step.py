@@ -10,8 +10,10 @@ into static inputs and one or two graph replays.
 What a recording fixes, and how this module keeps it true:
 
 - the batch's keys, shapes and dtypes (checked per call: a different batch raises, naming the key);
-- the parameters, the gradients and the optimizer state live at fixed addresses: the step keeps the gradient tensors
-  and zeroes them itself after each update; a parameter replaced (merge, adapter load) or a train/eval switch since
+- the parameters, the gradients and the optimizer state live at fixed addresses: the step keeps the gradient tensors.
+  With one micro-batch per update the recorded backward makes them (autograd adopts each new gradient as ``.grad``,
+  which every replay then rewrites in full); with ``accumulation_steps`` it adds into tensors kept from the warm-up and
+  the update zeroes them. A parameter replaced (merge, adapter load) or a train/eval switch since
   the recording raises instead of replaying stale work;
 - the optimizer's hyperparameters are baked into the update graph, except the learning rate, which becomes a 0-dim
   tensor on the device: LR schedulers (which fill a tensor ``lr`` in place) and plain assignments of a number keep
@@ -51,7 +53,7 @@ class GraphedTrainStep:
 
     ``step = GraphedTrainStep(model, optimizer, example_batch)`` records; each ``loss = step(batch)`` copies ``batch``
     into the recorded inputs, replays the forward + backward and, every ``accumulation_steps`` calls, the optimizer
-    update (which then zeroes the gradients). Numerics are those of the same eager step (the same kernels run), but
+    update. Numerics are those of the same eager step (the same kernels run), but
     for an optimizer left to torch's default implementation, whose recorded update is torch's fused one (fp32 math;
     within bf16 rounding of the multi-tensor update, see [`_takes_fused_update`]). Works
     with the fast path ([`enable_fast_path`], activation offload included), gradient checkpointing of either kind,
@@ -177,20 +179,25 @@ class GraphedTrainStep:
                 self._forward_backward()
                 self._update()
                 self.optimizer.zero_grad(set_to_none=True)
-            self._forward_backward()  # leaves every gradient allocated, where the recording will accumulate them
+            if self._accumulates:
+                self._forward_backward()  # leaves every gradient allocated, where the recording will accumulate them
 
         # The warm-up runs with the attention the recording will use, so that whatever it compiles (Triton, compiled
         # blocks guarding on the attention implementation) is compiled before recording.
         with causal_attention(self.model, self._inputs):
             stream = warm_up(warm_up_steps)
             saved.restore()
-            self._grads = [(p, p.grad) for p in self._params if p.grad is not None]
-            torch._foreach_zero_([g for _, g in self._grads])
+            if self._accumulates:
+                torch._foreach_zero_([p.grad for p in self._params if p.grad is not None])
             self._hyper = _hyperparameters(self.optimizer)
             self._retained: list[torch.Tensor] = []  # pinned buffers of the activation offload, replayed into
             hooks = offload_hooks(self.model)
             with hooks.retaining(self._retained) if hooks is not None else contextlib.nullcontext():
                 micro = record(self._record_forward_backward, stream)
+            # Without accumulation every .grad was None while recording: autograd adopted the backward's own output
+            # tensor (in the graph's pool) as each gradient, so a replay neither adds into nor needs zeroed
+            # gradients (112 add kernels and a zeroing pass fewer a step on the benchmark model).
+            self._grads = [(p, p.grad) for p in self._params if p.grad is not None]
         update = record(self._record_update, stream, pool=micro.pool())
         self._graphs = (micro, update)
         self._recorded_model = RecordedModel(self.model)
@@ -200,7 +207,14 @@ class GraphedTrainStep:
 
     def _record_update(self) -> None:
         self._update()
-        torch._foreach_zero_([g for _, g in self._grads])
+        if self._accumulates:
+            torch._foreach_zero_([g for _, g in self._grads])
+
+    @property
+    def _accumulates(self) -> bool:
+        """Whether the recorded backward adds into kept gradients (several micro-batches per update) rather than
+        making them."""
+        return self.accumulation_steps > 1
 
     def _check_unchanged(self) -> None:
         if not self._recorded_model.unchanged():
@@ -208,11 +222,12 @@ class GraphedTrainStep:
                                "adapter switched, merged or disabled, or train/eval mode changed); create a new "
                                "GraphedTrainStep for the model as it is now.")  # fmt: skip
         for param, grad in self._grads:
-            if param.grad is None:  # zero_grad(set_to_none=True): the recorded tensor comes back, zeroed
-                param.grad = grad.zero_()
+            if param.grad is None:  # zero_grad(set_to_none=True): the recorded tensor comes back
+                # zeroed where the backward adds into it; otherwise the replay rewrites all of it
+                param.grad = grad.zero_() if self._accumulates else grad
             elif param.grad is not grad:
                 raise RuntimeError("a parameter's `.grad` was replaced since the step was recorded; the recorded step "
-                                   "zeroes its own gradients after each update: do not assign `.grad`.")  # fmt: skip
+                                   "keeps its own gradient tensors: do not assign `.grad`.")  # fmt: skip
         for group, lr in zip(self.optimizer.param_groups, self._lrs):
             if group["lr"] is not lr:  # a number assigned by hand: into the recorded tensor
                 lr.fill_(float(group["lr"]))

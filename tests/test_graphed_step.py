@@ -345,6 +345,36 @@ def test_recorded_step_trains_like_the_eager_step(tiny_llama_path, fast_path, ck
         _assert_close_scaled(trained[name], value, name, 2e-2)
 
 
+def _gradients(model, batch):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model(**batch, use_cache=False).loss.backward()
+    return {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast_path", [None, {}], ids=["fastlora", "fast-path"])
+def test_recorded_step_without_accumulation_makes_its_gradients(tiny_llama_path, fast_path):
+    # One micro-batch per update: the recording adopts the backward's own gradient tensors and never zeroes them, so
+    # each replay must leave exactly its batch's gradients (a sum with the previous batch's would mean an add).
+    batches = _batches(3, device="cuda")
+    eager_model, graphed_model = _gpu_pair(tiny_llama_path, fast_path, False)
+    optimizer = torch.optim.AdamW([p for p in graphed_model.parameters() if p.requires_grad], lr=0.0)  # no change
+    step = GraphedTrainStep(graphed_model, optimizer, batches[0], autocast_dtype=torch.bfloat16)
+    kept = None
+    for i, batch in enumerate(batches):
+        if i == 2:
+            optimizer.zero_grad(set_to_none=True)  # the kept tensors come back
+        step(batch)
+        grads = {n: p.grad for n, p in graphed_model.named_parameters() if p.grad is not None}
+        kept = kept or grads
+        assert all(grads[n] is kept[n] for n in kept) and grads.keys() == kept.keys()
+        expected = _gradients(eager_model, batch)
+        assert expected.keys() == grads.keys() and expected
+        for name, grad in expected.items():
+            _assert_close_scaled(grads[name].float(), grad, name, 1e-2)
+
+
 @pytest.mark.gpu
 def test_recording_again_leaves_no_memory_behind(tiny_llama_path):
     """A step recorded, released and recorded again (a new GraphedTrainStep, as after a model change) ends with the
