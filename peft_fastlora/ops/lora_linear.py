@@ -152,9 +152,9 @@ def weight_windows(m: int, n: int, k: int, length: int, align: int, element_size
 
 
 def _base_matmul(x2d: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor],
-                 max_windows: int = 1) -> torch.Tensor:  # fmt: skip
+                 max_windows: int = 1, out: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
     """``x2d @ dequant(W).T (+ bias)`` (M, N) in ``x2d.dtype``, W made whole or in up to ``max_windows`` row
-    windows."""
+    windows; into ``out`` (a contiguous (M, N) tensor of that dtype) when given."""
     dequant = kernels.load().dequant
     n, k = weight.shape
     bias = None if bias is None else _cast(bias, x2d.dtype)
@@ -162,8 +162,11 @@ def _base_matmul(x2d: torch.Tensor, weight: QuantizedWeight, bias: Optional[torc
     windows = weight_windows(x2d.shape[0], n, k, n, align, x2d.element_size(), max_windows)
     if len(windows) == 1:
         w = dequant.dequantize_triton(weight, x2d.dtype)  # freed on return (the allocator reuses it)
-        return torch.mm(x2d, w.t()) if bias is None else torch.addmm(bias, x2d, w.t())  # bias in cuBLAS' epilogue
-    out = torch.empty(x2d.shape[0], n, dtype=x2d.dtype, device=x2d.device)
+        if bias is None:
+            return torch.mm(x2d, w.t()) if out is None else torch.mm(x2d, w.t(), out=out)
+        return torch.addmm(bias, x2d, w.t(), out=out)  # bias in cuBLAS' epilogue
+    if out is None:
+        out = torch.empty(x2d.shape[0], n, dtype=x2d.dtype, device=x2d.device)
     for start, stop in windows:  # each window is freed once its matmul is queued: the next one reuses its memory
         w = dequant.dequantize_window(weight, x2d.dtype, (start, stop), (0, k)).t()
         if bias is None:
@@ -220,13 +223,16 @@ def lora_linear_forward(
     dequantized in up to ``max_windows`` windows ([`weight_windows`])."""
     n, k = weight.shape
     x2d = x.reshape(-1, k)
-    out = _base_matmul(x2d, weight, bias, max_windows)
+    # y is allocated in its final shape and written through a 2-D view: returned as a view made here, it would be
+    # an autograd Function's view output, which autograd forbids modifying in place (``y += residual``).
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    out = _base_matmul(x2d, weight, bias, max_windows, out=y.view(-1, n))
     xa = None
     if lora_a is not None:
         lx2d = x2d if lora_x is None else _cast(lora_x, x.dtype).reshape(-1, k)
         xa = torch.mm(lx2d, _cast(lora_a, x.dtype).t())
         add_low_rank_(out, xa, _cast(lora_b, x.dtype), scaling)  # y += scaling * xa @ B.T, in place
-    return out.view(*x.shape[:-1], n), xa
+    return y, xa
 
 
 def lora_linear_backward(

@@ -114,6 +114,32 @@ def test_no_lora_and_trainable_bias(force_triton, kind, x_dtype, adapter_dtype, 
     run_and_compare(x, weight, None, None, None, 1.0, None, atol, rtol)
 
 
+@pytest.mark.parametrize("lead", [(6,), (2, 3)], ids=["2d", "3d"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_output_may_be_modified_in_place(force_triton, lead, with_bias):
+    """``y += residual`` on the output, as on nn.Linear's: allowed (not a view made inside the Function), with the
+    gradients of the same sum taken out of place."""
+    weight = make_weight("nf4", 40, 96)
+    x, bias, lora_a, lora_b = inputs(lead, 40, 96, torch.float32, torch.float32, bias=with_bias)
+    residual = torch.randn(*lead, 40, requires_grad=True)
+    grad = torch.randn(*lead, 40)
+    results = []
+    for in_place in (True, False):
+        leaves = [t for t in (x, bias, lora_a, lora_b, residual) if t is not None and t.requires_grad]
+        y = function(x, weight, bias, lora_a, lora_b, 2.0, None)
+        assert not y._is_view()
+        if in_place:
+            y += residual
+        else:
+            y = y + residual
+        results.append((y.detach(), torch.autograd.grad(y, leaves, grad)))
+    (y_in, grads_in), (y_out, grads_out) = results
+    torch.testing.assert_close(y_in, y_out, atol=0, rtol=0)
+    for got, expected in zip(grads_in, grads_out, strict=True):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+        assert got.abs().sum() > 0
+
+
 def test_skips_unneeded_grads(force_triton, monkeypatch):
     """A frozen input (first layer) never re-dequantizes W; frozen adapters get no grad and no work."""
     calls = []
