@@ -65,6 +65,10 @@ WEIGHT_CACHE = "_fastlora_weight_cache"
 # the prepared call; any change (adapter switch, merge, disable, new tensors, dropout on, autocast to another dtype)
 # takes the general path, which builds a new lane. Dropped with the weight cache. At most MAX_LANES shapes.
 DECODE_LANES = "_fastlora_decode_lanes"
+# The training lanes: the same for calls with grad mode on, whose adapters (or bias) train, each holding the call
+# prepared by `ops.prepare_training_call` (the autograd op, its path already chosen and its arguments checked). A
+# batch-1 training step waits on the host, and re-deciding the path costs as much as a kernel launch per layer call.
+TRAIN_LANES = "_fastlora_train_lanes"
 MAX_LANES = 8
 
 
@@ -128,10 +132,12 @@ class FastLoraLayer(nn.Module, LoraLayer):
         return super()._apply(fn, *args, **kwargs)
 
     def __getstate__(self) -> dict:
-        # Pickling and deepcopy leave the decode lanes behind: they hold launch closures (not picklable) bound to this
-        # layer's tensors; the copy prepares its own on its first decode call.
+        # Pickling and deepcopy leave the lanes and the weight container behind: the lanes hold launch closures (not
+        # picklable) bound to this layer's tensors, the container the kernels' launch arguments (the kernel objects
+        # among them); the copy builds its own on its first call.
         state = super().__getstate__()
-        state.pop(DECODE_LANES, None)
+        for key in (DECODE_LANES, TRAIN_LANES, WEIGHT_CACHE):
+            state.pop(key, None)
         return state
 
     # ---- the weight-container cache (see WEIGHT_CACHE) ---------------------------------------------------------------
@@ -148,6 +154,7 @@ class FastLoraLayer(nn.Module, LoraLayer):
         e.g. re-viewing it)."""
         self.__dict__.pop(WEIGHT_CACHE, None)
         self.__dict__.pop(DECODE_LANES, None)
+        self.__dict__.pop(TRAIN_LANES, None)
 
     # ---- backend hooks -----------------------------------------------------------------------------------------------
     def quantized_weight(self) -> QuantizedWeight:
@@ -247,8 +254,8 @@ class FastLoraLayer(nn.Module, LoraLayer):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         # Runs once per layer per step (and per decoded token): keep the host work small, it is what the GPU waits on
         # when the batch is small.
-        if not kwargs and not torch.compiler.is_compiling() and not torch.is_grad_enabled():
-            lanes = self.__dict__.get(DECODE_LANES)
+        if not kwargs and not torch.compiler.is_compiling():
+            lanes = self.__dict__.get(TRAIN_LANES if torch.is_grad_enabled() else DECODE_LANES)
             lane = lanes.get((x.shape, x.dtype, x.device)) if lanes else None
             if lane is not None and self._lane_state(x, lane[0]) == lane[1]:
                 return lane[2](x, 1.0 if lane[0] is None else self.scaling[lane[0]])
@@ -277,7 +284,7 @@ class FastLoraLayer(nn.Module, LoraLayer):
         self._restore_adapter_dtypes(adapters)
 
         fsdp_units = bool(adapters) and self.adapters_are_fsdp_units(adapters)
-        lane_ok = adapter_names is None and not guard and not torch.is_grad_enabled()
+        lane_ok = adapter_names is None and not guard
         lane_ok = lane_ok and not torch.compiler.is_compiling()  # graphs need no lane: dynamo skips the host work
         if lane_ok and len(adapters) <= 1 and not fsdp_units:
             result = self._lane_call(x, weight, bias, adapters[0] if adapters else None)
@@ -322,8 +329,8 @@ class FastLoraLayer(nn.Module, LoraLayer):
         bias = param(base, "bias")
         active = self._active_adapter
         lora_a = self._modules["lora_A"]._modules
-        state = (weight_key, None if bias is None else bias.data_ptr(), autocast, self.disable_adapters,
-                 bool(self.merged_adapters), self.overflow_guard and x.dtype == torch.float16,
+        state = (weight_key, None if bias is None else (bias.data_ptr(), bias.requires_grad), autocast,
+                 self.disable_adapters, bool(self.merged_adapters), self.overflow_guard and x.dtype == torch.float16,
                  active if isinstance(active, str) else tuple(active), tuple(lora_a))  # fmt: skip
         if adapter is None:
             return state
@@ -332,7 +339,8 @@ class FastLoraLayer(nn.Module, LoraLayer):
             return None
         weight_a, weight_b = param(module_a, "weight"), param(module_b, "weight")
         return state + (type(module_a), type(module_b), weight_a.data_ptr(), weight_b.data_ptr(), weight_a.dtype,
-                        weight_b.dtype, self._lora_reads_x(adapter))  # fmt: skip
+                        weight_b.dtype, weight_a.requires_grad, weight_b.requires_grad,
+                        self._lora_reads_x(adapter))  # fmt: skip
 
     def _lora_reads_x(self, adapter: str) -> bool:
         """Whether ``adapter``'s LoRA branch reads the layer input itself (its dropout is off or an identity)."""
@@ -340,20 +348,27 @@ class FastLoraLayer(nn.Module, LoraLayer):
         return type(dropout) is nn.Identity or not dropout.training
 
     def _lane_call(self, x, weight, bias, adapter: Optional[str]) -> Optional[torch.Tensor]:
-        """Builds the lane for ``x`` and ``adapter`` (see DECODE_LANES) and runs it; None when no lane applies (the
-        caller then takes the general path)."""
+        """Builds the lane for ``x`` and ``adapter`` (see DECODE_LANES and TRAIN_LANES) and runs it; None when no
+        lane applies (the caller then takes the general path)."""
+        training = torch.is_grad_enabled()
         lora_a = lora_b = None
         if adapter is not None:
             if not self._lora_reads_x(adapter):  # a lane feeds x to the LoRA branch
                 return None
             lora_a = param(self._modules["lora_A"]._modules[adapter], "weight")
             lora_b = param(self._modules["lora_B"]._modules[adapter], "weight")
-        # None off the small-M path, and under autocast to another dtype (the general path casts x first).
-        run = ops.prepare_small_m_call(x, weight, bias, lora_a, lora_b)
+        elif training:  # the base alone: its path depends on whether x needs a grad, call by call
+            return None
+        # None off the small-M path (decode) or the autograd op's (training: the adapters or the bias train), and
+        # under autocast to another dtype (the general path casts x first).
+        if training:
+            run = ops.prepare_training_call(x, weight, bias, lora_a, lora_b)
+        else:
+            run = ops.prepare_small_m_call(x, weight, bias, lora_a, lora_b)
         state = None if run is None else self._lane_state(x, adapter)
         if state is None:
             return None
-        lanes = self.__dict__.setdefault(DECODE_LANES, {})
+        lanes = self.__dict__.setdefault(TRAIN_LANES if training else DECODE_LANES, {})
         # Lanes of another base weight (merged, requantized, re-gathered) would keep that weight alive: drop them.
         if len(lanes) >= MAX_LANES or any(lane[1][0] != state[0] for lane in lanes.values()):
             lanes.clear()

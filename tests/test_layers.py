@@ -397,6 +397,136 @@ def test_decode_lanes_per_shape_and_dropped_on_move(tiny_llama_path, prepares):
     assert DECODE_LANES not in layer.__dict__
 
 
+# ---- training lanes: the prepared autograd op of grad-mode layer calls (layer.py, TRAIN_LANES) ---------------------
+@pytest.fixture
+def prepares_training(monkeypatch, request):
+    """The Triton path on CPU (interpreter), and the input shape of every training call the layers prepare."""
+    from peft_fastlora import ops
+
+    request.getfixturevalue("force_triton")
+    calls = []
+    real = ops.prepare_training_call
+
+    def prepare(x, *args):
+        run = real(x, *args)
+        if run is not None:
+            calls.append(tuple(x.shape))
+        return run
+
+    monkeypatch.setattr(ops, "prepare_training_call", prepare)
+    return calls
+
+
+def _train_call(layer, x, dy, autocast=None):
+    """The layer's output and the grads of x, A and B for the output gradient ``dy``."""
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    with torch.autocast("cpu", dtype=autocast or BF16, enabled=autocast is not None):
+        y = layer(x)
+    return (y.detach(), *torch.autograd.grad(y, [x, a, b], dy))
+
+
+def _general_path(layer, monkeypatch):
+    """The layer with its training lanes dropped and none built again: every call takes the general path."""
+    from peft_fastlora import ops
+    from peft_fastlora.layer import TRAIN_LANES
+
+    layer.__dict__.pop(TRAIN_LANES, None)
+    monkeypatch.setattr(ops, "prepare_training_call", lambda *args: None)
+
+
+@pytest.mark.parametrize("quant", ["nf4", "nf4-dq", "int8"])
+@pytest.mark.parametrize("autocast", [None, BF16], ids=["no-autocast", "autocast-same-dtype"])
+def test_training_lane_is_prepared_once_and_trains_like_the_general_path(tiny_llama_path, quant, autocast,
+                                                                         prepares_training, monkeypatch):  # fmt: skip
+    model = get_peft_model(quantized(tiny_llama_path, quant), fast_config()).train()
+    layer = first_layer(model)
+    torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.05)  # B = 0 would make dA zero
+    gen = torch.Generator().manual_seed(3)
+    calls = [(torch.randn(2, 3, layer.in_features, dtype=BF16, generator=gen).requires_grad_(),
+              torch.randn(2, 3, layer.out_features, dtype=BF16, generator=gen)) for _ in range(3)]  # fmt: skip
+    laned = [_train_call(layer, x, dy, autocast) for x, dy in calls]
+    assert prepares_training == [(2, 3, layer.in_features)]  # built by the first call, reused by the next two
+    _general_path(layer, monkeypatch)
+    general = [_train_call(layer, x, dy, autocast) for x, dy in calls]
+    for got, expected in zip(laned, general):
+        for name, g, e in zip(("y", "dx", "dA", "dB"), got, expected):
+            assert torch.equal(g, e), name  # the same op and arguments: bit-identical
+            assert g.isfinite().all() and g.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("change", ["lora_b_in_place", "lora_b_replaced", "scaling", "other_adapter",
+                                    "adapters_disabled", "merged", "base_weight_replaced",
+                                    "adapter_frozen"])  # fmt: skip
+def test_training_lane_follows_every_layer_change(tiny_llama_path, change, prepares_training, monkeypatch):
+    """After each change, the layer trains as the general path does (and its output differs from before)."""
+    model = _lane_model(tiny_llama_path).train()
+    layer = first_layer(model)
+    x = torch.randn(1, 4, layer.in_features, dtype=BF16, requires_grad=True)
+    dy = torch.randn(1, 4, layer.out_features, dtype=BF16)
+    before = layer(x).detach()
+    assert torch.equal(layer(x).detach(), before) and len(prepares_training) == 1
+    with torch.no_grad():  # as an optimizer step changes the adapters
+        if change == "adapter_frozen":
+            layer.lora_A["default"].weight.requires_grad_(False)
+            layer.lora_B["default"].weight.requires_grad_(False)
+            layer.lora_B["default"].weight.add_(1.0)
+        else:
+            _change(model, layer, change)
+    after = layer(x)
+    grads = [g for g in torch.autograd.grad(after, [x], dy)]
+    _general_path(layer, monkeypatch)
+    fresh = layer(x)
+    assert torch.equal(after.detach(), fresh.detach())
+    assert all(torch.equal(g, e) for g, e in zip(grads, torch.autograd.grad(fresh, [x], dy)))
+    assert not torch.equal(after.detach(), before)
+    # values read per call keep the lane; a frozen adapter (small-M may then serve the call) or no adapter take none
+    kept = ("lora_b_in_place", "scaling", "adapters_disabled", "merged", "adapter_frozen")
+    assert len(prepares_training) == (1 if change in kept else 2)
+
+
+@pytest.mark.parametrize("case", ["no_grad", "dropout_training", "autocast_other_dtype", "adapter_names",
+                                  "two_adapters"])
+def test_training_lane_is_not_used_where_the_general_path_differs(tiny_llama_path, case, prepares_training):
+    from peft_fastlora.layer import TRAIN_LANES
+
+    # dropout in eval mode is an identity, so the lane is built then; in training mode it is not (PEFT refuses
+    # adapter_names in training mode: that case stays in eval mode, grad on)
+    model = _lane_model(tiny_llama_path, lora_dropout=0.5 if case == "dropout_training" else 0.0)
+    model.train(case not in ("dropout_training", "adapter_names"))
+    layer = first_layer(model)
+    x = torch.randn(2, 3, layer.in_features, dtype=BF16, requires_grad=True)
+    layer(x)  # a lane for this shape
+    assert len(prepares_training) == 1
+    if case == "dropout_training":
+        layer.train()
+    if case == "two_adapters":
+        layer.set_adapter(["default", "other"])
+    with torch.set_grad_enabled(case != "no_grad"), torch.autocast("cpu", dtype=FP16,
+                                                                   enabled=case == "autocast_other_dtype"):  # fmt: skip
+        kwargs = {"adapter_names": ["default", "other"]} if case == "adapter_names" else {}
+        y = layer(x.detach() if case == "adapter_names" else x, **kwargs)
+    assert len(prepares_training) == 1, "no training lane may be built or used here"
+    assert len(layer.__dict__[TRAIN_LANES]) == 1
+    assert y.dtype == (FP16 if case == "autocast_other_dtype" else BF16) and y.isfinite().all()
+
+
+def test_training_lanes_are_left_behind_by_pickle_and_a_move(tiny_llama_path, prepares_training):
+    import pickle
+
+    from peft_fastlora.layer import TRAIN_LANES
+
+    model = _lane_model(tiny_llama_path).train()
+    ids = tokens()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert any(TRAIN_LANES in m.__dict__ for m in model.modules())
+    clone = pickle.loads(pickle.dumps(model))
+    assert not any(TRAIN_LANES in m.__dict__ for m in clone.modules())
+    torch.testing.assert_close(clone(input_ids=ids, labels=ids).loss, loss, atol=0, rtol=0)
+    model.to("cpu")
+    assert not any(TRAIN_LANES in m.__dict__ for m in model.modules())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant", ["nf4", "nf4-dq", "int8"])
 def test_decode_lane_on_gpu_equals_the_op_for_any_row_layout(tiny_llama_path, quant):

@@ -1,7 +1,8 @@
 """The kernels behind FastLoRA layers, reached through one door per op.
 
 - [`fastlora_linear`] and [`dequantize`] (``dispatch.py``) check their arguments once and pick the implementation;
-  [`prepare_small_m_call`] prepares a decode call that repeats with the same shapes;
+  [`prepare_small_m_call`] / [`prepare_training_call`] prepare a decode / training call that repeats with the same
+  shapes;
 - ``quant_state.py``: the weight containers the ops take ([`Packed4bit`], [`Int8Rowwise`]);
 - ``reference.py``: the pure-torch twins (the CPU path);
 - ``lora_linear.py`` and ``custom_ops.py``: the training path's autograd wrapper and the ``torch.library`` ops;
@@ -18,7 +19,7 @@ ops/ never imports peft or bitsandbytes. Caching inside ops/ is documented where
 ``kernels/small_m.py``, the tuning table in ``kernels/tuning.py``; each is keyed by everything it reads.
 """
 
-from .dispatch import FORCE_TRITON_ENV, dequantize, fastlora_linear, prepare_small_m_call
+from .dispatch import FORCE_TRITON_ENV, dequantize, fastlora_linear, prepare_small_m_call, prepare_training_call
 from .linear_cross_entropy import LinearCrossEntropyFunction, linear_cross_entropy
 from .lora_group import LoraGroupFunction, lora_linear_group
 from .lora_linear import LoraLinearFunction
@@ -48,6 +49,7 @@ __all__ = [
     "lora_mlp",
     "lora_mlp_fusable",
     "prepare_small_m_call",
+    "prepare_training_call",
     "rms_norm",
     "swiglu_lora_linear",
 ]

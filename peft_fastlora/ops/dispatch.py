@@ -10,6 +10,9 @@ Dispatch of [`fastlora_linear`]:
   else ``SMALL_M_MAX``): the fused small-M kernel;
 - otherwise: ``LoraLinearFunction`` (dequantize + cuBLAS, W not saved for backward).
 
+[`prepare_small_m_call`] and [`prepare_training_call`] check a call once and return it prepared, for a layer that
+repeats it with the same shapes (decoding, and training steps at small batch, where the host sets the pace).
+
 Under ``torch.compile`` the Triton paths go through the ``torch.ops.peft_fastlora`` custom ops instead, so that
 ``fullgraph=True`` holds; eagerly they are called directly, which keeps the per-call overhead to plain Python. Every
 path below this module takes checked arguments and checks nothing again.
@@ -281,6 +284,45 @@ def prepare_small_m_call(
     ):
         return None
     return kernels.load().small_m.prepare_small_m_linear(x, weight, bias, lora_a, lora_b)
+
+
+def prepare_training_call(
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: Optional[torch.Tensor],
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+) -> Optional[Callable[[torch.Tensor, float], torch.Tensor]]:
+    """A prepared ``fastlora_linear(x, weight, bias, lora_a, lora_b, scaling)`` for calls with grad mode on, on inputs
+    of ``x``'s shape, dtype and device, when the adapters (or the bias) train, so that [`fastlora_linear`] would run
+    the call as ``LoraLinearFunction`` whatever the rows; else None.
+
+    Returns ``run(x, scaling)``. A training step calls each layer with the same shapes on every step (twice under
+    gradient checkpointing), and at batch 1 it waits on the host: the prepared call skips the checks and the path
+    choice that [`fastlora_linear`] repeats per call. The caller keeps it only while ``weight``, ``bias``,
+    ``lora_a`` and ``lora_b`` are the tensors it was prepared with and still require grad as they did (their values
+    may change in place), and calls it only with grad mode on, autocast off or in ``x``'s dtype, not under
+    ``torch.compile``, with the LoRA branch reading ``x`` itself.
+    """
+    if not _use_triton(x.device):
+        return None
+    check_linear_args(x, weight, bias, lora_a, lora_b, None)
+    device_type = x.device.type
+    if (
+        torch.compiler.is_compiling()
+        or not torch.is_grad_enabled()
+        or (torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != x.dtype)
+        or not _needs_grad(lora_a, lora_b, bias)
+    ):
+        return None
+    apply = LoraLinearFunction.apply
+
+    def run(x: torch.Tensor, scaling: float) -> torch.Tensor:
+        if torch.is_autocast_enabled(device_type):  # in x's dtype: fastlora_linear would turn it off, so do the same
+            return without_autocast(device_type, apply, x, bias, lora_a, lora_b, float(scaling), None, weight)
+        return apply(x, bias, lora_a, lora_b, float(scaling), None, weight)
+
+    return run
 
 
 def without_autocast(device_type: str, fn, *args):
