@@ -70,9 +70,15 @@ def _launch_hooks_set() -> bool:
     return any(getattr(h, "calls", h) for h in (runtime.launch_enter_hook, runtime.launch_exit_hook))
 
 
+def _current_device() -> int:
+    """The current CUDA device. ``torch.cuda.current_device`` adds a lazy-init check to every call; a launch has CUDA
+    tensors, so CUDA is up and the raw getter is enough (CPU-only builds of torch lack it; nothing launches there)."""
+    return torch._C._cuda_getDevice()
+
+
 def device_context(device: torch.device):
     """Makes ``device`` current for the launch, skipping the switch when it already is (the usual case)."""
-    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+    if device.type != "cuda" or device.index is None or device.index == _current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(device)
 
@@ -80,7 +86,7 @@ def device_context(device: torch.device):
 def launch_is_direct(device: torch.device) -> bool:
     """Whether a kernel compiled earlier may be launched straight on ``device`` now: it is the current CUDA device
     (its module is loaded in that device's context) and no Triton launch hook (e.g. a profiler's) wants to see it."""
-    return device.index == torch.cuda.current_device() and not _launch_hooks_set()
+    return device.index == _current_device() and not _launch_hooks_set()
 
 
 def run_compiled(compiled, grid: tuple, args, device_index: int) -> None:
@@ -104,9 +110,14 @@ def launch(kernel, grid: tuple, args: tuple, device: torch.device, **options):
     if is_interpreted(kernel):
         kernel[grid](*args, **options)
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (kernel, index, _specialization(args), tuple(sorted(options.items())))
+    current = _current_device()
+    index = current if device.index is None else device.index
+    # options in the caller's keyword order: each call site passes them in one order, so sorting bought nothing
+    key = (kernel, index, _specialization(args), *options.items())
     compiled = _compiled.get(key)
+    if compiled is not None and index == current and not _launch_hooks_set():
+        run_compiled(compiled, grid, args, index)  # the usual case: no device switch, no context manager
+        return compiled
     with device_context(device):
         if compiled is None or _launch_hooks_set():
             compiled = kernel[grid](*args, **options)
