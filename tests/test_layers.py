@@ -270,15 +270,13 @@ def _lane_model(path, quant="nf4", **config):
     return model.eval()
 
 
-@pytest.fixture
-def prepares(monkeypatch, request):
-    """The Triton path on CPU (interpreter), and the input shape of every decode call the layers prepare."""
+def _spy_on_prepare(monkeypatch, request, name: str) -> list:
+    """The Triton path on CPU (interpreter), and the input shape of every call ``ops.<name>`` prepares."""
     from peft_fastlora import ops
 
     request.getfixturevalue("force_triton")
-
     calls = []
-    real = ops.prepare_small_m_call
+    real = getattr(ops, name)
 
     def prepare(x, *args):
         run = real(x, *args)
@@ -286,8 +284,14 @@ def prepares(monkeypatch, request):
             calls.append(tuple(x.shape))
         return run
 
-    monkeypatch.setattr(ops, "prepare_small_m_call", prepare)
+    monkeypatch.setattr(ops, name, prepare)
     return calls
+
+
+@pytest.fixture
+def prepares(monkeypatch, request):
+    """The input shape of every decode call the layers prepare (Triton interpreted)."""
+    return _spy_on_prepare(monkeypatch, request, "prepare_small_m_call")
 
 
 @pytest.mark.parametrize("quant", ["nf4", "nf4-dq", "int8"])
@@ -400,21 +404,8 @@ def test_decode_lanes_per_shape_and_dropped_on_move(tiny_llama_path, prepares):
 # ---- training lanes: the prepared autograd op of grad-mode layer calls (layer.py, TRAIN_LANES) ---------------------
 @pytest.fixture
 def prepares_training(monkeypatch, request):
-    """The Triton path on CPU (interpreter), and the input shape of every training call the layers prepare."""
-    from peft_fastlora import ops
-
-    request.getfixturevalue("force_triton")
-    calls = []
-    real = ops.prepare_training_call
-
-    def prepare(x, *args):
-        run = real(x, *args)
-        if run is not None:
-            calls.append(tuple(x.shape))
-        return run
-
-    monkeypatch.setattr(ops, "prepare_training_call", prepare)
-    return calls
+    """The input shape of every training call the layers prepare (Triton interpreted)."""
+    return _spy_on_prepare(monkeypatch, request, "prepare_training_call")
 
 
 def _train_call(layer, x, dy, autocast=None):

@@ -273,17 +273,20 @@ def prepare_small_m_call(
     (their values may change in place) and calls it only where [`fastlora_linear`] would take the same path: grad
     off, autocast off or in ``x``'s dtype, not under ``torch.compile``.
     """
-    if not _use_triton(x.device):
-        return None
-    check_linear_args(x, weight, bias, lora_a, lora_b, None)
-    device_type = x.device.type
-    if (
-        torch.compiler.is_compiling()
-        or (torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != x.dtype)
-        or not _takes_small_m(x, weight, lora_a, lora_b, bias)
-    ):
+    if not _preparable(x, weight, bias, lora_a, lora_b) or not _takes_small_m(x, weight, lora_a, lora_b, bias):
         return None
     return kernels.load().small_m.prepare_small_m_linear(x, weight, bias, lora_a, lora_b)
+
+
+def _preparable(x, weight, bias, lora_a, lora_b) -> bool:
+    """What both prepared calls need (after checking the arguments): the Triton path, not compiling, and autocast
+    off or in ``x``'s dtype (the general path casts ``x`` first)."""
+    if not _use_triton(x.device):
+        return False
+    check_linear_args(x, weight, bias, lora_a, lora_b, None)
+    device_type = x.device.type
+    autocast_elsewhere = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != x.dtype
+    return not (torch.compiler.is_compiling() or autocast_elsewhere)
 
 
 def prepare_training_call(
@@ -304,17 +307,9 @@ def prepare_training_call(
     may change in place), and calls it only with grad mode on, autocast off or in ``x``'s dtype, not under
     ``torch.compile``, with the LoRA branch reading ``x`` itself.
     """
-    if not _use_triton(x.device):
+    if not _preparable(x, weight, bias, lora_a, lora_b) or not _needs_grad(lora_a, lora_b, bias):
         return None
-    check_linear_args(x, weight, bias, lora_a, lora_b, None)
     device_type = x.device.type
-    if (
-        torch.compiler.is_compiling()
-        or not torch.is_grad_enabled()
-        or (torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != x.dtype)
-        or not _needs_grad(lora_a, lora_b, bias)
-    ):
-        return None
     apply = LoraLinearFunction.apply
 
     def run(x: torch.Tensor, scaling: float) -> torch.Tensor:
