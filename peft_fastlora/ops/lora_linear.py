@@ -163,7 +163,7 @@ def _base_matmul(x2d: torch.Tensor, weight: QuantizedWeight, bias: Optional[torc
     if len(windows) == 1:
         w = dequant.dequantize_triton(weight, x2d.dtype)  # freed on return (the allocator reuses it)
         if bias is None:
-            return torch.mm(x2d, w.t()) if out is None else torch.mm(x2d, w.t(), out=out)
+            return torch.mm(x2d, w.t(), out=out)  # out=None: a new tensor
         return torch.addmm(bias, x2d, w.t(), out=out)  # bias in cuBLAS' epilogue
     if out is None:
         out = torch.empty(x2d.shape[0], n, dtype=x2d.dtype, device=x2d.device)
