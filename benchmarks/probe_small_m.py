@@ -37,6 +37,16 @@ use because they are not deterministic):
              FMAs with x, no warp shuffle for the lookup (codes rounded to bf16)
   cuprmt2    cuprmt without the mask: the whole pair read as the odd element (the even element's bits become extra
              low mantissa bits, up to a bf16 ulp off): what the mask costs
+  cuh2       cuprmt with packed 16-bit math: each word's four bf16 code pairs times its four x pairs (read as
+             32-bit words) by ``fma.rn.bf16x2`` (two products per instruction, each half summing 4 products in bf16),
+             the two halves widened to fp32 once per word; codes and per-word partial sums rounded to bf16
+  cuh2h      cuh2 in fp16: the code table in fp16, each x pair converted to fp16 in the kernel, ``fma.rn.f16x2``,
+             the halves added in fp16 and widened once per word (fp16's 11-bit mantissa: 8x finer sums than
+             bf16's; x beyond fp16's range would overflow, which a production kernel would have to scale away)
+  cuh2r      cuh2 with the code table's 8 permute words (and one mask constant) loaded from memory once per
+             program and passed to the decode as operands: written as immediates, ptxas copies a table word from a
+             uniform register before each permute that reads it
+  cuh2hr     cuh2h with the table as operands, as cuh2r
   int8       int8 weights as 32-bit words, sign-extended bytes, FMAs, row scale
 
 The ``lut`` kernel is checked against the reference before it is timed. Results: ``probe_small_m.csv`` in --out.
@@ -60,12 +70,16 @@ from peft_fastlora.ops.kernels.jit import INV_127, decode_absmax
 
 SHAPES = [(14336, 4096), (4096, 14336), (4096, 4096)]  # (N, K)
 MODES = {"stream": 0, "arith": 1, "lut": 2, "shfl": 3, "bits": 4, "tcshfl": 5, "tcbits": 6, "tcbd": 7, "shflacc": 8,
-         "shflacc3": 9, "tcprmt": 10, "tcprmtb": 11, "tcprmtc": 12, "cuprmt": 13, "cuprmt2": 14}
+         "shflacc3": 9, "tcprmt": 10, "tcprmtb": 11, "tcprmtc": 12, "cuprmt": 13, "cuprmt2": 14,
+         "cuh2": 15, "cuh2h": 16, "cuh2r": 17, "cuh2hr": 18}
 TC_MODES = ("tcshfl", "tcbits", "tcbd", "tcprmt", "tcprmtb", "tcprmtc")
 # variants whose outputs are right (checked before timing)
-CHECKED = ("lut", "shfl", "tcshfl", "tcbd", "tcprmt", "shflacc", "shflacc3", "cuprmt", "int8")
+CHECKED = ("lut", "shfl", "tcshfl", "tcbd", "tcprmt", "shflacc", "shflacc3", "cuprmt", "cuh2", "cuh2h", "cuh2r",
+           "cuh2hr", "int8")
 # checked variants whose codes or weights are rounded to bf16: 1e-2 of the largest output, the others 1e-3
-BF16_CHECKED = TC_MODES + ("cuprmt",)
+BF16_CHECKED = TC_MODES + ("cuprmt", "cuh2", "cuh2h", "cuh2r", "cuh2hr")
+FP16_MODES = ("cuh2h", "cuh2hr")
+TABLE_OPERAND_MODES = ("cuh2r", "cuh2hr")
 DEFAULT_VARIANTS = ("stream", "lut", "shfl")
 # (BLOCK_N, BLOCK_K, num_warps)
 TILES_4BIT = [(4, 512, 1), (8, 256, 1), (8, 512, 2), (16, 256, 2), (16, 512, 4), (8, 1024, 4), (32, 256, 4),
@@ -215,25 +229,38 @@ def _probe_4bit_tc(
 _DECODE_ASM: dict = {}
 
 
-def prmt_decode_asm(code: torch.Tensor) -> str:
-    """PTX that decodes one 32-bit word of 8 nibbles ($4) into 8 bf16 codes ($0..$3, element pairs), by byte
-    permutes from the code table's bf16 bytes in registers (no memory, no shuffles)."""
-    bits = code.to(torch.bfloat16).view(torch.int16).to(torch.int32).cpu().tolist()
+def prmt_table_words(code: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> list[int]:
+    """The code table as 8 32-bit words for byte permutes: the low bytes of entries 0-3, 4-7, 8-11, 12-15 of the
+    16-bit codes (``dtype``: bf16 or fp16), then their high bytes."""
+    bits = code.to(dtype).view(torch.int16).to(torch.int32).cpu().tolist()
     lo = [b & 0xFF for b in bits]
     hi = [(b >> 8) & 0xFF for b in bits]
+    return [sum(values[4 * i + j] << (8 * j) for j in range(4)) for values in (lo, hi) for i in range(4)]
 
-    def table(byte_values, i):
-        return sum(byte_values[4 * i + j] << (8 * j) for j in range(4))
 
-    movs = " ".join(f"mov.b32 t{i}, {table(lo, i)}; mov.b32 h{i}, {table(hi, i)};" for i in range(4))
+def prmt_decode_asm(code: torch.Tensor, dtype: torch.dtype = torch.bfloat16, table_operands: bool = False) -> str:
+    """PTX that decodes one 32-bit word of 8 nibbles ($4) into 8 16-bit codes ($0..$3, element pairs; ``dtype``:
+    bf16 or fp16), by byte permutes from the code table's bytes in registers (no memory, no shuffles).
+
+    With ``table_operands`` the table's 8 words (``prmt_table_words``) are operands $5..$12 and the constant 0x4444
+    is $13, values the kernel loaded once: written as immediates, ptxas keeps them in uniform registers and copies
+    one into a vector register before each permute that reads it (``IMAD.U32``), ~13 instructions a word."""
+    if table_operands:
+        names = [f"${5 + i}" for i in range(8)]
+        movs, mask = "", "$13"
+    else:
+        names = ["t0", "t1", "t2", "t3", "h0", "h1", "h2", "h3"]
+        movs = " ".join(f"mov.b32 {n}, {v};" for n, v in zip(names, prmt_table_words(code, dtype))) + " "
+        mask = "0x4444"
+    t0, t1, t2, t3, h0, h1, h2, h3 = names
 
     def half(src, out0, out1):
-        return (f"and.b32 s, {src}, 0x7777; shr.b32 m, {src}, 1; and.b32 m, m, 0x4444; or.b32 m, m, 0x3210; "
-                f"prmt.b32 a, t0, t1, s; prmt.b32 b, t2, t3, s; prmt.b32 cl, a, b, m; "
-                f"prmt.b32 a, h0, h1, s; prmt.b32 b, h2, h3, s; prmt.b32 ch, a, b, m; "
+        return (f"and.b32 s, {src}, 0x7777; shr.b32 m, {src}, 1; and.b32 m, m, {mask}; or.b32 m, m, 0x3210; "
+                f"prmt.b32 a, {t0}, {t1}, s; prmt.b32 b, {t2}, {t3}, s; prmt.b32 cl, a, b, m; "
+                f"prmt.b32 a, {h0}, {h1}, s; prmt.b32 b, {h2}, {h3}, s; prmt.b32 ch, a, b, m; "
                 f"prmt.b32 {out0}, cl, ch, 0x4051; prmt.b32 {out1}, cl, ch, 0x6273; ")  # fmt: skip
 
-    return ("{ .reg .b32 t0, t1, t2, t3, h0, h1, h2, h3, s, m, a, b, cl, ch, w2; " + movs + " "
+    return ("{ .reg .b32 t0, t1, t2, t3, h0, h1, h2, h3, s, m, a, b, cl, ch, w2; " + movs
             + half("$4", "$0", "$1") + "shr.b32 w2, $4, 16; " + half("w2", "$2", "$3") + "}")  # fmt: skip
 
 
@@ -401,10 +428,89 @@ def _probe_int8(
         tl.store(out_ptr + offs_n, acc, mask=mask_n)
 
 
+# One word's dot product with its x in packed 16-bit FMAs: $1..$4 the word's code pairs (element 2 i in the low half),
+# $5..$8 its x pairs, $0 the fp32 sum. The first FMA adds into a zero register (ptxas hoists the mov).
+PACKED_DOT_ASM = {
+    "bf16": ("{ .reg .b32 z, a, e, o; mov.b32 z, 0; fma.rn.bf16x2 a, $1, $5, z; fma.rn.bf16x2 a, $2, $6, a; "
+             "fma.rn.bf16x2 a, $3, $7, a; fma.rn.bf16x2 a, $4, $8, a; shl.b32 e, a, 16; and.b32 o, a, 0xFFFF0000; "
+             "add.f32 $0, e, o; }"),
+    "fp16": ("{ .reg .b32 z, a; .reg .b16 l, h, s; mov.b32 z, 0; fma.rn.f16x2 a, $1, $5, z; "
+             "fma.rn.f16x2 a, $2, $6, a; fma.rn.f16x2 a, $3, $7, a; fma.rn.f16x2 a, $4, $8, a; mov.b32 {l, h}, a; "
+             "add.rn.f16 s, l, h; cvt.f32.f16 $0, s; }"),
+}
+# a bf16 x pair (one 32-bit word) to an fp16 pair
+BF16X2_TO_F16X2_ASM = tl.constexpr(
+    "{ .reg .b32 e, o; shl.b32 e, $1, 16; and.b32 o, $1, 0xFFFF0000; cvt.rn.f16x2.f32 $0, o, e; }")
+
+
+@triton.jit
+def _bcast(table_ptr, i: tl.constexpr, like):
+    """Word ``i`` of the table, broadcast to ``like``'s shape (the load is hoisted out of the K loop)."""
+    return tl.broadcast_to(tl.load(table_ptr + i), like.shape)
+
+
+@triton.jit
+def _x_pair(ptr, MODE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The (NB, 8) x pairs at ``ptr`` as 32-bit words, in fp16 for MODE 16, broadcast over the tile's rows."""
+    xi = tl.load(ptr)
+    if MODE == 16 or MODE == 18:
+        xi = tl.inline_asm_elementwise(BF16X2_TO_F16X2_ASM, "=r,r", [xi], dtype=tl.int32, is_pure=True, pack=1)
+    return tl.broadcast_to(xi[None, :, :], (BLOCK_N, xi.shape[0], xi.shape[1]))
+
+
+@triton.jit
+def _probe_4bit_packed(
+    x_ptr, w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, code_ptr, out_ptr,
+    N, words_per_row, blocks_per_row, words_per_split, n_words,
+    MODE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr, ATOMIC: tl.constexpr, MUL_RN: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE_ASM: tl.constexpr, DOT_ASM: tl.constexpr,
+    table_ptr=None, TABLE_OPERANDS: tl.constexpr = False,
+):  # fmt: skip
+    """cuprmt (``_probe_4bit_cuprmt``) with each word's 8 products summed by packed 16-bit FMAs (``PACKED_DOT_ASM``);
+    ``x_ptr`` is x as 32-bit words (bf16 pairs). MODES 16 and 18 (fp16) convert the x pairs to fp16 first; with
+    ``TABLE_OPERANDS`` (MODES 17, 18) the decode reads the table's 8 words and its mask constant from ``table_ptr``
+    (int32, loaded once) as operands."""
+    offs_n, mask_n, rows, w_start, w_end = _program_rows(N, words_per_split, n_words, BLOCK_N)
+    NB: tl.constexpr = BLOCK_K // 64
+    word_in_tile = tl.arange(0, NB)[:, None] * 8 + tl.arange(0, 8)[None, :]  # (NB, 8)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for w0 in range(w_start, w_end, BLOCK_K // 8):
+        words = tl.load(w_ptr + rows[:, None, None] * words_per_row + (w0 + word_in_tile)[None, :, :],
+                        mask=mask_n[:, None, None], other=0)  # fmt: skip
+        blk = rows[:, None] * blocks_per_row + (w0 // 8 + tl.arange(0, NB))[None, :]
+        raw = tl.load(absmax_ptr + blk, mask=mask_n[:, None], other=0)
+        scale = decode_absmax(raw, blk, mask_n[:, None], nested_code_ptr, nested_absmax_ptr, offset_ptr, True,
+                              NESTED_BLOCKSIZE, MUL_RN)  # fmt: skip
+        if TABLE_OPERANDS:
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                DECODE_ASM, "=r,=r,=r,=r" + ",r" * 10,
+                [words, _bcast(table_ptr, 0, words), _bcast(table_ptr, 1, words), _bcast(table_ptr, 2, words),
+                 _bcast(table_ptr, 3, words), _bcast(table_ptr, 4, words), _bcast(table_ptr, 5, words),
+                 _bcast(table_ptr, 6, words), _bcast(table_ptr, 7, words), _bcast(table_ptr, 8, words)],
+                dtype=(tl.uint32,) * 4, is_pure=True, pack=1)  # fmt: skip
+        else:
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(DECODE_ASM, "=r,=r,=r,=r,r", [words], dtype=(tl.uint32,) * 4,
+                                                       is_pure=True, pack=1)  # fmt: skip
+        x_pairs = x_ptr + (w0 + word_in_tile) * 4  # (NB, 8): each word's first x pair
+        x0 = _x_pair(x_pairs, MODE, BLOCK_N)
+        x1 = _x_pair(x_pairs + 1, MODE, BLOCK_N)
+        x2 = _x_pair(x_pairs + 2, MODE, BLOCK_N)
+        x3 = _x_pair(x_pairs + 3, MODE, BLOCK_N)
+        per_word = tl.inline_asm_elementwise(DOT_ASM, "=f,r,r,r,r,r,r,r,r", [p0, p1, p2, p3, x0, x1, x2, x3],
+                                             dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
+        acc += tl.sum(tl.sum(per_word, axis=2) * scale, axis=1)
+    if ATOMIC:
+        tl.atomic_add(out_ptr + offs_n, acc, mask=mask_n)
+    else:
+        tl.store(out_ptr + offs_n, acc, mask=mask_n)
+
+
 # the variants that decode by byte permutes, and their kernels (each takes the decode's PTX as DECODE_ASM)
 PRMT_KERNELS = {MODES["tcprmt"]: _probe_4bit_tcprmt, MODES["tcprmtb"]: _probe_4bit_tcprmtb,
                 MODES["tcprmtc"]: _probe_4bit_tcprmtb, MODES["cuprmt"]: _probe_4bit_cuprmt,
-                MODES["cuprmt2"]: _probe_4bit_cuprmt}  # fmt: skip
+                MODES["cuprmt2"]: _probe_4bit_cuprmt, MODES["cuh2"]: _probe_4bit_packed,
+                MODES["cuh2h"]: _probe_4bit_packed, MODES["cuh2r"]: _probe_4bit_packed,
+                MODES["cuh2hr"]: _probe_4bit_packed}  # fmt: skip
 
 
 def launch_4bit(x, weight, out, mode, split, tile):
@@ -417,10 +523,21 @@ def launch_4bit(x, weight, out, mode, split, tile):
     extra = {}
     if mode in PRMT_KERNELS:
         kernel = PRMT_KERNELS[mode]
-        key = weight.code.data_ptr()  # computed outside CUDA-graph capture: the warm-up call comes first
+        half = torch.float16 if mode in (MODES[m] for m in FP16_MODES) else torch.bfloat16
+        operands = mode in (MODES[m] for m in TABLE_OPERAND_MODES)
+        # computed outside CUDA-graph capture: the warm-up call comes first
+        key = (weight.code.data_ptr(), half, operands)
         if key not in _DECODE_ASM:
-            _DECODE_ASM[key] = prmt_decode_asm(weight.code)
-        extra["DECODE_ASM"] = _DECODE_ASM[key]
+            table_words = prmt_table_words(weight.code, half) + [0x4444]
+            table = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in table_words], dtype=torch.int32,
+                                 device=weight.code.device)  # fmt: skip
+            _DECODE_ASM[key] = (prmt_decode_asm(weight.code, half, operands), table)
+        extra["DECODE_ASM"], table = _DECODE_ASM[key]
+        if kernel is _probe_4bit_packed:
+            extra["DOT_ASM"] = PACKED_DOT_ASM["fp16" if half == torch.float16 else "bf16"]
+            x = x.view(torch.int32)
+            if operands:
+                extra.update(table_ptr=table, TABLE_OPERANDS=True)
     else:
         kernel = _probe_4bit_tc if mode in (MODES[m] for m in TC_MODES) else _probe_4bit
     kernel[grid](x, words, weight.absmax, weight.nested_code, weight.nested_absmax, weight.offset, weight.code,

@@ -503,10 +503,10 @@ def test_timeline_attributes_idle_gaps_to_the_host_operator_that_ended_them():
     assert C.timeline_lines([event("aten::mm", 0, 1, cpu)]) == ["(no GPU or host events recorded)"]
 
 
-def _run_ptx(asm: str, word: int) -> list[int]:
+def _run_ptx(asm: str, word: int, operands: tuple[int, ...] = ()) -> list[int]:
     """Executes the straight-line PTX of ``probe_small_m.prmt_decode_asm`` (mov/and/or/shr/prmt on b32) for input
-    ``$4 = word``; returns the 8 bf16 bit patterns of ``$0..$3`` (low half first)."""
-    regs = {"$4": word}
+    ``$4 = word`` and ``operands`` as ``$5, $6, ...``; returns the 8 16-bit patterns of ``$0..$3`` (low half first)."""
+    regs = {"$4": word, **{f"${5 + i}": v for i, v in enumerate(operands)}}
 
     def val(x: str) -> int:
         return regs[x] if x in regs else int(x, 0)
@@ -527,17 +527,22 @@ def _run_ptx(asm: str, word: int) -> list[int]:
     return [half for r in ("$0", "$1", "$2", "$3") for half in (regs[r] & 0xFFFF, regs[r] >> 16)]
 
 
-def test_probe_prmt_decode_gives_the_codes_of_a_word():
-    """The ``tcprmt`` probe's byte-permute decode is right (what makes that variant wrong on the GPU is the layout
-    Triton gives its input): element 8w + j of a word is the code of nibble j, high nibble first, as bf16."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("table_operands", [False, True])
+def test_probe_prmt_decode_gives_the_codes_of_a_word(dtype, table_operands):
+    """The byte-permute decode of the ``tcprmt`` / ``cuprmt`` / ``cuh2*`` probes is right (what makes ``tcprmt`` wrong
+    on the GPU is the layout Triton gives its input): element 8w + j of a word is the code of nibble j, high nibble
+    first, as bf16 or fp16; with the table as operands (``cuh2r``, ``cuh2hr``) as with it written in."""
     probe = _bench_module("probe_small_m")
-    code = torch.linspace(-1, 1, 16) ** 3  # 16 distinct values with distinct low and high bf16 bytes
-    asm = probe.prmt_decode_asm(code)
-    bf16 = (code.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
+    code = torch.linspace(-1, 1, 16) ** 3  # 16 distinct values with distinct low and high bytes in both dtypes
+    asm = probe.prmt_decode_asm(code, dtype, table_operands)
+    operands = tuple(probe.prmt_table_words(code, dtype)) + (0x4444,) if table_operands else ()
+    assert ("mov.b32" in asm) != table_operands  # the table comes in one way only
+    bits = (code.to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
     gen = torch.Generator().manual_seed(0)
     for word in torch.randint(0, 2**32, (300,), generator=gen, dtype=torch.int64).tolist():
         nibbles = [(word >> (8 * (j // 2) + 4 * (1 - j % 2))) & 0xF for j in range(8)]
-        assert _run_ptx(asm, word) == [bf16[q] for q in nibbles], hex(word)
+        assert _run_ptx(asm, word, operands) == [bits[q] for q in nibbles], hex(word)
 
 
 CUPRMT_PTX = textwrap.dedent(
@@ -577,3 +582,50 @@ def test_probe_cuprmt_decodes_by_permutes_without_shuffles():
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     assert counts["cuprmt"] == {"prmt": 256, "odd_masks": 64, "code_shuffles": 0, "laneid": 0}
     assert counts["cuprmt2"] == {"prmt": 256, "odd_masks": 0, "code_shuffles": 0, "laneid": 0}
+
+
+PACKED_PTX = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, "benchmarks")
+    import torch
+    import probe_small_m as P
+    from tests.ops._sm90_ptx import sm90_ptx
+
+    types = dict(x_ptr="*i32", w_ptr="*i32", absmax_ptr="*u8", nested_code_ptr="*fp32", nested_absmax_ptr="*fp32",
+                 offset_ptr="*fp32", code_ptr="*fp32", out_ptr="*fp32", table_ptr="*i32",
+                 **dict.fromkeys(("N", "words_per_row", "blocks_per_row", "words_per_split", "n_words"), "i32"))
+    counts = {}
+    for variant in ("cuh2", "cuh2r", "cuh2hr"):
+        half = torch.float16 if variant in P.FP16_MODES else torch.bfloat16
+        operands = variant in P.TABLE_OPERAND_MODES
+        constexprs = dict(MODE=P.MODES[variant], NESTED_BLOCKSIZE=256, ATOMIC=True, MUL_RN=True, BLOCK_N=8,
+                          BLOCK_K=512, DECODE_ASM=P.prmt_decode_asm(torch.linspace(-1, 1, 16) ** 3, half, operands),
+                          DOT_ASM=P.PACKED_DOT_ASM["fp16" if half == torch.float16 else "bf16"],
+                          TABLE_OPERANDS=operands, **({} if operands else dict(table_ptr=None)))
+        signature = {name: "constexpr" if name in constexprs else types[name]
+                     for name in P._probe_4bit_packed.arg_names}
+        ptx = sm90_ptx(P._probe_4bit_packed, signature, constexprs, num_warps=1, num_stages=1)
+        counts[variant] = dict(prmt=ptx.count("prmt.b32"), fma_bf16x2=ptx.count("fma.rn.bf16x2"),
+                               fma_f16x2=ptx.count("fma.rn.f16x2"), table_movs=ptx.count("mov.b32 t0,"),
+                               code_shuffles=ptx.count("0x101f"))
+    print(json.dumps(counts))
+    """
+)
+
+
+def test_probe_packed_variants_sum_each_word_in_packed_fmas():
+    """The ``cuh2*`` probes compiled for sm_90 ahead of time, 8 x 512 on one warp: each thread decodes its 16 words
+    a step by byte permutes and sums each word's 8 products in 4 packed FMAs (bf16x2, or f16x2 for ``cuh2hr``), with
+    no code-table shuffle; ``cuh2r`` and ``cuh2hr`` take the table as operands instead of writing it into each word's
+    decode."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {key: value for key, value in _env().items() if key != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", PACKED_PTX], cwd=REPO, capture_output=True, text=True,
+                          timeout=TIMEOUT_S, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    common = dict(prmt=256, code_shuffles=0)
+    assert counts["cuh2"] == dict(common, fma_bf16x2=64, fma_f16x2=0, table_movs=16), counts
+    assert counts["cuh2r"] == dict(common, fma_bf16x2=64, fma_f16x2=0, table_movs=0), counts
+    assert counts["cuh2hr"] == dict(common, fma_bf16x2=0, fma_f16x2=64, table_movs=0), counts
