@@ -47,6 +47,8 @@ use because they are not deterministic):
              program and passed to the decode as operands: written as immediates, ptxas copies a table word from a
              uniform register before each permute that reads it
   cuh2hr     cuh2h with the table as operands, as cuh2r
+  cuh2s      cuh2r with each half-word's table half chosen by a bit select (``lop3``) under a byte mask that one
+             sign-replicating permute makes from the nibbles' top bits (no mask constant): 22 instructions a word
   int8       int8 weights as 32-bit words, sign-extended bytes, FMAs, row scale
 
 The ``lut`` kernel is checked against the reference before it is timed. Results: ``probe_small_m.csv`` in --out.
@@ -71,15 +73,15 @@ from peft_fastlora.ops.kernels.jit import INV_127, decode_absmax
 SHAPES = [(14336, 4096), (4096, 14336), (4096, 4096)]  # (N, K)
 MODES = {"stream": 0, "arith": 1, "lut": 2, "shfl": 3, "bits": 4, "tcshfl": 5, "tcbits": 6, "tcbd": 7, "shflacc": 8,
          "shflacc3": 9, "tcprmt": 10, "tcprmtb": 11, "tcprmtc": 12, "cuprmt": 13, "cuprmt2": 14,
-         "cuh2": 15, "cuh2h": 16, "cuh2r": 17, "cuh2hr": 18}
+         "cuh2": 15, "cuh2h": 16, "cuh2r": 17, "cuh2hr": 18, "cuh2s": 19}
 TC_MODES = ("tcshfl", "tcbits", "tcbd", "tcprmt", "tcprmtb", "tcprmtc")
 # variants whose outputs are right (checked before timing)
 CHECKED = ("lut", "shfl", "tcshfl", "tcbd", "tcprmt", "shflacc", "shflacc3", "cuprmt", "cuh2", "cuh2h", "cuh2r",
-           "cuh2hr", "int8")
+           "cuh2hr", "cuh2s", "int8")
 # checked variants whose codes or weights are rounded to bf16: 1e-2 of the largest output, the others 1e-3
-BF16_CHECKED = TC_MODES + ("cuprmt", "cuh2", "cuh2h", "cuh2r", "cuh2hr")
+BF16_CHECKED = TC_MODES + ("cuprmt", "cuh2", "cuh2h", "cuh2r", "cuh2hr", "cuh2s")
 FP16_MODES = ("cuh2h", "cuh2hr")
-TABLE_OPERAND_MODES = ("cuh2r", "cuh2hr")
+TABLE_OPERAND_MODES = ("cuh2r", "cuh2hr", "cuh2s")
 DEFAULT_VARIANTS = ("stream", "lut", "shfl")
 # (BLOCK_N, BLOCK_K, num_warps)
 TILES_4BIT = [(4, 512, 1), (8, 256, 1), (8, 512, 2), (16, 256, 2), (16, 512, 4), (8, 1024, 4), (32, 256, 4),
@@ -262,6 +264,23 @@ def prmt_decode_asm(code: torch.Tensor, dtype: torch.dtype = torch.bfloat16, tab
 
     return ("{ .reg .b32 t0, t1, t2, t3, h0, h1, h2, h3, s, m, a, b, cl, ch, w2; " + movs
             + half("$4", "$0", "$1") + "shr.b32 w2, $4, 16; " + half("w2", "$2", "$3") + "}")  # fmt: skip
+
+
+def prmt_select_decode_asm() -> str:
+    """``prmt_decode_asm`` with the table as operands ($5..$12), choosing each nibble's table half by a bit select:
+    ``v = word << 4`` puts the top bit of nibbles 0, 2, 4, 6 at the top of a byte (nibbles 1, 3, 5, 7 have theirs
+    there already), and a permute in sign-replicate mode (selector nibble bit 3) spreads the top bit of the chosen
+    byte over a whole byte: byte i of the mask is 0xFF where nibble i's bit 3 is set. ``lop3`` (0xD8: ``m ? b : a``)
+    then takes entries 8-15 there. No constant but the immediates of the instructions."""
+
+    def half(selector_src, mask_selector, out0, out1):
+        return (f"and.b32 s, {selector_src}, 0x7777; prmt.b32 m, $4, v, {mask_selector}; "
+                "prmt.b32 a, $5, $6, s; prmt.b32 b, $7, $8, s; lop3.b32 cl, a, b, m, 0xD8; "
+                "prmt.b32 a, $9, $10, s; prmt.b32 b, $11, $12, s; lop3.b32 ch, a, b, m, 0xD8; "
+                f"prmt.b32 {out0}, cl, ch, 0x4051; prmt.b32 {out1}, cl, ch, 0x6273; ")  # fmt: skip
+
+    return ("{ .reg .b32 s, v, m, a, b, cl, ch, w2; shl.b32 v, $4, 4; " + half("$4", "0x9D8C", "$0", "$1")
+            + "shr.b32 w2, $4, 16; " + half("w2", "0xBFAE", "$2", "$3") + "}")  # fmt: skip
 
 
 @triton.jit
@@ -510,7 +529,7 @@ PRMT_KERNELS = {MODES["tcprmt"]: _probe_4bit_tcprmt, MODES["tcprmtb"]: _probe_4b
                 MODES["tcprmtc"]: _probe_4bit_tcprmtb, MODES["cuprmt"]: _probe_4bit_cuprmt,
                 MODES["cuprmt2"]: _probe_4bit_cuprmt, MODES["cuh2"]: _probe_4bit_packed,
                 MODES["cuh2h"]: _probe_4bit_packed, MODES["cuh2r"]: _probe_4bit_packed,
-                MODES["cuh2hr"]: _probe_4bit_packed}  # fmt: skip
+                MODES["cuh2hr"]: _probe_4bit_packed, MODES["cuh2s"]: _probe_4bit_packed}  # fmt: skip
 
 
 def launch_4bit(x, weight, out, mode, split, tile):
@@ -525,13 +544,14 @@ def launch_4bit(x, weight, out, mode, split, tile):
         kernel = PRMT_KERNELS[mode]
         half = torch.float16 if mode in (MODES[m] for m in FP16_MODES) else torch.bfloat16
         operands = mode in (MODES[m] for m in TABLE_OPERAND_MODES)
-        # computed outside CUDA-graph capture: the warm-up call comes first
-        key = (weight.code.data_ptr(), half, operands)
+        key = (weight.code.data_ptr(), mode)  # made outside CUDA-graph capture: the warm-up call comes first
         if key not in _DECODE_ASM:
             table_words = prmt_table_words(weight.code, half) + [0x4444]
             table = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in table_words], dtype=torch.int32,
                                  device=weight.code.device)  # fmt: skip
-            _DECODE_ASM[key] = (prmt_decode_asm(weight.code, half, operands), table)
+            select = mode == MODES["cuh2s"]
+            _DECODE_ASM[key] = (prmt_select_decode_asm() if select else prmt_decode_asm(weight.code, half, operands),
+                                table)  # fmt: skip
         extra["DECODE_ASM"], table = _DECODE_ASM[key]
         if kernel is _probe_4bit_packed:
             extra["DOT_ASM"] = PACKED_DOT_ASM["fp16" if half == torch.float16 else "bf16"]

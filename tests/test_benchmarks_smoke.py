@@ -504,7 +504,7 @@ def test_timeline_attributes_idle_gaps_to_the_host_operator_that_ended_them():
 
 
 def _run_ptx(asm: str, word: int, operands: tuple[int, ...] = ()) -> list[int]:
-    """Executes the straight-line PTX of ``probe_small_m.prmt_decode_asm`` (mov/and/or/shr/prmt on b32) for input
+    """Executes the straight-line PTX of ``probe_small_m``'s decodes (mov/and/or/shl/shr/prmt/lop3 on b32) for input
     ``$4 = word`` and ``operands`` as ``$5, $6, ...``; returns the 8 16-bit patterns of ``$0..$3`` (low half first)."""
     regs = {"$4": word, **{f"${5 + i}": v for i, v in enumerate(operands)}}
 
@@ -516,28 +516,37 @@ def _run_ptx(asm: str, word: int, operands: tuple[int, ...] = ()) -> list[int]:
             continue
         op, rest = ins.split(None, 1)
         a = [x.strip() for x in rest.split(",")]
-        if op == "prmt.b32":  # default mode: result byte i = byte (c >> 4i) & 7 of {b, a}; bit 3 must be clear
-            src, sel = val(a[1]) | (val(a[2]) << 32), val(a[3])
-            assert all((sel >> (4 * i)) & 8 == 0 for i in range(4)), "sign-replicate bit set"
-            regs[a[0]] = sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        if op == "prmt.b32":  # default mode: result byte i = byte (c >> 4i) & 7 of {b, a}, or with bit 3 of that
+            src, sel = val(a[1]) | (val(a[2]) << 32), val(a[3])  # selector nibble set, its top bit replicated
+            picked = [(src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF for i in range(4)]
+            picked = [0xFF * (b >> 7) if (sel >> (4 * i)) & 8 else b for i, b in enumerate(picked)]
+            regs[a[0]] = sum(b << (8 * i) for i, b in enumerate(picked))
+        elif op == "lop3.b32":  # bit j of d = bit (4 a_j + 2 b_j + c_j) of the LUT (PTX: a 0xF0, b 0xCC, c 0xAA)
+            x, y, z, lut = (val(v) for v in a[1:])
+            regs[a[0]] = sum(((lut >> (((x >> j) & 1) * 4 + ((y >> j) & 1) * 2 + ((z >> j) & 1))) & 1) << j
+                             for j in range(32))  # fmt: skip
         else:
             fn = {"mov.b32": lambda x: x, "and.b32": lambda x, y: x & y, "or.b32": lambda x, y: x | y,
-                  "shr.b32": lambda x, y: x >> y}[op]  # fmt: skip
+                  "shr.b32": lambda x, y: x >> y, "shl.b32": lambda x, y: x << y}[op]  # fmt: skip
             regs[a[0]] = fn(*(val(x) for x in a[1:])) & 0xFFFFFFFF
     return [half for r in ("$0", "$1", "$2", "$3") for half in (regs[r] & 0xFFFF, regs[r] >> 16)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("table_operands", [False, True])
-def test_probe_prmt_decode_gives_the_codes_of_a_word(dtype, table_operands):
+@pytest.mark.parametrize("decode", ["written-in table", "table operands", "bit select"])
+def test_probe_prmt_decode_gives_the_codes_of_a_word(dtype, decode):
     """The byte-permute decode of the ``tcprmt`` / ``cuprmt`` / ``cuh2*`` probes is right (what makes ``tcprmt`` wrong
     on the GPU is the layout Triton gives its input): element 8w + j of a word is the code of nibble j, high nibble
-    first, as bf16 or fp16; with the table as operands (``cuh2r``, ``cuh2hr``) as with it written in."""
+    first, as bf16 or fp16; with the table as operands (``cuh2r``, ``cuh2hr``) and with the table half chosen by a
+    bit select (``cuh2s``) as with it written in."""
     probe = _bench_module("probe_small_m")
     code = torch.linspace(-1, 1, 16) ** 3  # 16 distinct values with distinct low and high bytes in both dtypes
-    asm = probe.prmt_decode_asm(code, dtype, table_operands)
-    operands = tuple(probe.prmt_table_words(code, dtype)) + (0x4444,) if table_operands else ()
-    assert ("mov.b32" in asm) != table_operands  # the table comes in one way only
+    if decode == "bit select":
+        asm = probe.prmt_select_decode_asm()
+    else:
+        asm = probe.prmt_decode_asm(code, dtype, decode == "table operands")
+    operands = tuple(probe.prmt_table_words(code, dtype)) + (0x4444,) if decode != "written-in table" else ()
+    assert ("mov.b32" in asm) == (decode == "written-in table")  # the table comes in one way only
     bits = (code.to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
     gen = torch.Generator().manual_seed(0)
     for word in torch.randint(0, 2**32, (300,), generator=gen, dtype=torch.int64).tolist():
