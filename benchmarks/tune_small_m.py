@@ -99,7 +99,7 @@ ELEMS_PER_THREAD = (16, 64)
 FMA_ELEMS_PER_THREAD = (32, 128)
 WARPS_PER_SM_TARGET = 24  # split_k aims at 24 / num_warps programs per SM (the heuristic: 6 at 4 warps) ...
 SPLIT_WINDOW = 2.0  # ... and keeps split_k values within 2**2 of it
-SPLITS_KEPT = {"fma": 2, "dot": 2, "dot-m1": 1, "fma-unfactored": 1}
+SPLITS_KEPT = {"fma": 2, "dot": 2, "dot-m1": 1, "fma-unfactored": 1, "fma-packed": 1}
 TOP = 4  # pass 2 tries the TOP best tilings of M=16
 
 TOLERANCE = 2.0**-5  # max |fused - reference| / max |reference|; bf16 roundings are ~2**-8, a wrong tiling O(1)
@@ -129,6 +129,7 @@ Tiling = SmallMConfig
 def tiling_label(t: SmallMConfig) -> str:
     stages = f" st{t.num_stages}" if t.num_stages != 1 else ""
     unfactored = " unfactored" if not t.factor_scales else ""
+    unfactored += " packed" if t.packed_dot else ""
     rows = f" m{t.block_m}" if t.use_dot and t.block_m != 16 else ""
     path = "dot" if t.use_dot else "fma"
     return f"{path} n{t.block_n} k{t.block_k} s{t.split_k} w{t.num_warps}{stages}{unfactored}{rows}"
@@ -136,11 +137,12 @@ def tiling_label(t: SmallMConfig) -> str:
 
 def make_tiling(k: int, use_dot: bool, block_n: int, block_k: int, split_k: int = 1, num_warps: int = 4,
                 num_stages: int = 1, factor_scales: Optional[bool] = None,
-                block_m: int = 16) -> SmallMConfig:  # fmt: skip
+                block_m: int = 16, packed_dot: bool = False) -> SmallMConfig:  # fmt: skip
     """A tiling with its effective ``split_k``; ``factor_scales=None`` keeps ``SmallMConfig``'s default."""
     split = effective_split_k(k, block_k, split_k)
     extra = {} if factor_scales is None else {"factor_scales": factor_scales}
-    return SmallMConfig(bool(use_dot), block_n, block_k, split, num_warps, num_stages, **extra, block_m=block_m)
+    return SmallMConfig(bool(use_dot), block_n, block_k, split, num_warps, num_stages, **extra, block_m=block_m,
+                        packed_dot=packed_dot)  # fmt: skip
 
 
 def as_tiling(k: int, config: SmallMConfig) -> Tiling:
@@ -182,18 +184,20 @@ def split_candidates(m: int, n: int, k: int, use_dot: bool, block_n: int, block_
 
 
 def candidate_grid(m: int, n: int, k: int, sms: int, unfactored: bool = False) -> list[Tiling]:
-    """Pass-1 candidates for ``m`` rows: M=1: FMA tilings plus tensor-core tiles at 4 warps (and with
-    ``unfactored``, FMA tiles at 4 warps with ``factor_scales=False``); M>1: tensor-core tilings."""
-    groups = [("fma", False, FMA_WARPS, None), ("dot-m1", True, (4,), None)] if m == 1 else [("dot", True, WARPS, None)]
+    """Pass-1 candidates for ``m`` rows: M=1: FMA tilings, the same with the packed bf16 path (``packed_dot``,
+    which the launcher uses on bf16 rows only) and tensor-core tiles at 4 warps (and with ``unfactored``, FMA tiles at
+    4 warps with ``factor_scales=False``); M>1: tensor-core tilings."""
+    groups = [("fma", False, FMA_WARPS, None, False), ("fma-packed", False, (1,), None, True),
+              ("dot-m1", True, (4,), None, False)] if m == 1 else [("dot", True, WARPS, None, False)]  # fmt: skip
     if m == 1 and unfactored:
-        groups.append(("fma-unfactored", False, (4,), False))
+        groups.append(("fma-unfactored", False, (4,), False, False))
     grid = []
-    for name, use_dot, warps, factor_scales in groups:
+    for name, use_dot, warps, factor_scales, packed in groups:
         for bn, bk, nw in tile_grid(use_dot, warps):
             if bk > max(16, 1 << (k - 1).bit_length()):  # a tile wider than K only adds masked lanes
                 continue
             for s in split_candidates(m, n, k, use_dot, bn, bk, nw, sms, SPLITS_KEPT[name]):
-                grid.append(make_tiling(k, use_dot, bn, bk, s, nw, factor_scales=factor_scales))
+                grid.append(make_tiling(k, use_dot, bn, bk, s, nw, factor_scales=factor_scales, packed_dot=packed))
     return list(dict.fromkeys(grid))
 
 

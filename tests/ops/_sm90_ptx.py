@@ -33,7 +33,7 @@ VARIANTS = {
 }
 COMMON = dict(BLOCKSIZE=64, NESTED=True, NESTED_BLOCKSIZE=256, SUB=64, HAS_BIAS=False, HAS_LORA=True, DOT_FP32=False,
               LORA_DOT_FP32=False, BLOCK_R=16, SPLIT_K=8, XA_BLOCK_K=128, XA_MAX_CHUNKS=16, XA_COPIES=8,
-              XA_COPY_STRIDE=32, XA_POLLS=16384, INTERPRET=False, MUL_RN=True)  # fmt: skip
+              XA_COPY_STRIDE=32, XA_POLLS=16384, INTERPRET=False, MUL_RN=True, PACKED_DOT=False)  # fmt: skip
 
 
 def sm90_ptx(fn, signature: dict, constexprs: dict, **options) -> str:

@@ -60,7 +60,7 @@ def factored(weight, config: SmallMConfig) -> bool:
     return aligned and config.factor_scales and not config.use_dot
 
 
-def check(y, x, weight, bias, lora_a, lora_b, scaling, lora_x, atol, rtol, factored_scales=None):
+def check(y, x, weight, bias, lora_a, lora_b, scaling, lora_x, atol, rtol, factored_scales=None, packed_dot=False):
     """Asserts ``y`` against ``lora_linear_ref`` (roundings bounded term by term) and against the exact fp64 value.
 
     ``atol``/``rtol`` (per dtype, from ``TOLERANCES``) bound the comparison where the terms do not cancel. Where they
@@ -69,6 +69,10 @@ def check(y, x, weight, bias, lora_a, lora_b, scaling, lora_x, atol, rtol, facto
     the scaling each round: <= 3 u_a * |s| |xa| @ |B|.T) and casts it (<= u * |lora|), then rounds the sum; the
     kernel rounds once. So the allowed error is ``atol + rtol * |expected|`` or that sum of roundings (each u * the
     magnitude of the term it rounds) plus the fp32 accumulation bound of both sides, whichever is larger.
+
+    ``packed_dot`` (bf16 rows): the kernel rounds each code to bf16 (<= u * |x| @ |W|.T) and sums each word's
+    products in bf16, 4 to a half-word, rounding after each (<= 4 u * |x| @ |W|.T): 5 u * that magnitude more, in both
+    comparisons.
     """
     n = weight.shape[0]
     assert y.shape == (*x.shape[:-1], n) and y.dtype == x.dtype and y.device == x.device
@@ -102,7 +106,9 @@ def check(y, x, weight, bias, lora_a, lora_b, scaling, lora_x, atol, rtol, facto
     accumulation = (1 + u) * accumulation * magnitude
 
     exp64, y64 = expected.double().reshape(exact.shape), y.double().reshape(exact.shape)
-    roundings = u * (base_abs + exp64.abs() + y64.abs()) + (3 * u_a + u) * lora_mag + 2 * accumulation + w_rounding
+    packed = 5 * u * (x64.abs() @ w.abs().T) if packed_dot else 0.0
+    roundings = (u * (base_abs + exp64.abs() + y64.abs()) + (3 * u_a + u) * lora_mag + 2 * accumulation + w_rounding
+                 + packed)  # fmt: skip
     allowed = torch.maximum(atol + rtol * exp64.abs(), roundings)
     excess = (y64 - exp64).abs() - allowed
     worst = [int(i) for i in torch.unravel_index(excess.argmax(), excess.shape)]
@@ -111,7 +117,7 @@ def check(y, x, weight, bias, lora_a, lora_b, scaling, lora_x, atol, rtol, facto
         f"reference's roundings allow; worst excess {excess.max().item():.3g} at {worst}"
     )
 
-    bound = u * exact.abs() + accumulation + 1e-30
+    bound = u * exact.abs() + accumulation + packed + 1e-30
     error = (y64 - exact).abs()
     assert (error <= bound).all(), f"not within one rounding of the exact result: max excess {(error - bound).max()}"
 

@@ -216,7 +216,7 @@ KERNEL_PARAMS = (
     "k_per_split", "n_chunks", "xa_chunk", "WEIGHT_KIND", "BLOCKSIZE", "NESTED", "NESTED_BLOCKSIZE", "SUB", "HAS_BIAS",
     "HAS_LORA", "USE_DOT", "DOT_FP32", "LORA_DOT_FP32", "BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_R", "SPLIT_K",
     "XA_BLOCK_K", "XA_MAX_CHUNKS", "XA_COPIES", "XA_COPY_STRIDE", "XA_POLLS", "INTERPRET", "FACTOR_SCALES", "MUL_RN",
-    "SHUFFLE_LUT",
+    "SHUFFLE_LUT", "PACKED_DOT",
 )  # fmt: skip
 assert KERNEL_PARAMS == tuple(inspect.signature(_fused_small_m_kernel.fn).parameters)
 
@@ -263,6 +263,8 @@ class SmallMLaunch:
                 w_args = (words[0], *w_args[1:6], words[1])
         interpret = is_interpreted(_fused_small_m_kernel)
         require_launchable(_fused_small_m_kernel, device)
+        # inline PTX (compiled kernels only) on bf16 rows, which it reads as 32-bit pairs (see __call__)
+        self.packed_dot = factor_scales and config.packed_dot and dtype == torch.bfloat16 and not interpret
         # fp fusion stays on (FMAs in the dot products): the only sums that must not fuse, in the nested-absmax
         # decode, use mul.rn (MUL_RN). The interpreter computes exactly as written.
         self.options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
@@ -288,6 +290,7 @@ class SmallMLaunch:
             factor_scales,  # FACTOR_SCALES
             not interpret,  # MUL_RN
             not interpret,  # SHUFFLE_LUT: inline PTX, compiled kernels only
+            self.packed_dot,  # PACKED_DOT
         )  # fmt: skip
         assert len(self.args) == len(KERNEL_PARAMS)
         self.compiled = None  # the compiled kernel, once a call has matched it ...
@@ -300,6 +303,8 @@ class SmallMLaunch:
         out = torch.empty((m, self.n), dtype=self.dtype, device=device)
         if m == 0:
             return out
+        if self.packed_dot and (x2d.data_ptr() % 4 or (m > 1 and x2d.stride(0) % 2)):
+            x2d = x2d.clone()  # the packed path reads rows as 32-bit pairs; a clone is aligned (K is even here)
         args = list(self.args)
         lx = x2d if lora_x2d is None else lora_x2d
         args[_X], args[_OUT], args[_SCALING], args[_STRIDE_XM] = x2d, out, scaling, x2d.stride(0)

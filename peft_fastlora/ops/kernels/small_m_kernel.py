@@ -26,6 +26,10 @@ exception, ``FACTOR_SCALES`` (M = 1, 4-bit rows of whole absmax blocks, the defa
 reference; the tests bound it against the fp32 W). That path reads W as 32-bit words (8 weights). Compiled kernels
 look 4-bit codes up (on both paths) with warp shuffles from a table held one entry per lane (``SHUFFLE_LUT``): one
 instruction per weight instead of the five of a gather from memory (docs/kernels.md has the measurements).
+``PACKED_DOT`` (M = 1, ``FACTOR_SCALES``, bf16 rows, compiled kernels) decodes each word in its thread by byte
+permutes from the code table's bf16 bytes held in registers and sums its 8 products in four ``bf16x2`` FMAs: about
+3.6 instructions per weight instead of ~14, at the price of codes rounded to bf16 and each word's partial sums
+rounded to bf16 (``_packed_row_dot``; the tests bound that rounding).
 
 The launcher, ``small_m.py``, chooses the tiling and builds the argument list.
 """
@@ -44,6 +48,56 @@ from .small_m_lora import epilogue, store_lora_down_chunk
 WEIGHT_4BIT_ALIGNED: tl.constexpr = tl.constexpr(0)
 WEIGHT_4BIT_ANY: tl.constexpr = tl.constexpr(1)
 WEIGHT_INT8: tl.constexpr = tl.constexpr(2)
+
+
+def _permute_decode_ptx() -> str:
+    """PTX decoding one word of 8 nibbles ($4) into its 8 bf16 codes as four pairs ($0..$3: elements 2 i and 2 i + 1
+    in the low and high half of $i), from the code table's bytes in $5..$12 (``_permute_table``).
+
+    Per 4 nibbles: their low 3 bits select bytes from entries 0-7 and 8-15 of the low-byte and high-byte tables (4
+    ``prmt``); a byte mask from the nibbles' top bits (a ``prmt`` in sign-replicate mode: ``v = word << 4`` puts the
+    top bit of the even nibbles at the top of a byte, the odd nibbles have theirs there already) picks 8-15 where set
+    (``lop3`` 0xD8, ``m ? b : a``), and two more ``prmt`` interleave low and high bytes into bf16 pairs, the even
+    element (the byte's high nibble) low. 22 instructions a word, no memory, no shuffle; the table words are operands,
+    not immediates, because ptxas would otherwise copy them from uniform registers before every permute."""
+
+    def half(src, mask_selector, out0, out1):
+        return (f"and.b32 s, {src}, 0x7777; prmt.b32 m, $4, v, {mask_selector}; "
+                "prmt.b32 a, $5, $6, s; prmt.b32 b, $7, $8, s; lop3.b32 lo, a, b, m, 0xD8; "
+                "prmt.b32 a, $9, $10, s; prmt.b32 b, $11, $12, s; lop3.b32 hi, a, b, m, 0xD8; "
+                f"prmt.b32 {out0}, lo, hi, 0x4051; prmt.b32 {out1}, lo, hi, 0x6273; ")  # fmt: skip
+
+    return ("{ .reg .b32 s, v, m, a, b, lo, hi, w2; shl.b32 v, $4, 4; " + half("$4", "0x9D8C", "$0", "$1")
+            + "shr.b32 w2, $4, 16; " + half("w2", "0xBFAE", "$2", "$3") + "}")  # fmt: skip
+
+
+PERMUTE_DECODE_PTX: tl.constexpr = tl.constexpr(_permute_decode_ptx())
+
+
+def _permute_table_ptx() -> str:
+    """PTX making the 8 table words of ``PERMUTE_DECODE_PTX`` ($0..$7) from the fp32 code table held one entry per
+    lane ($8, lane L holding entry L % 16): entry e fetched by a shuffle, entries paired into bf16x2 (round to nearest
+    even, as a cast), the pairs' low and high bytes gathered by permutes. Runs once per program.
+
+    Each half-warp reads entry e from its own copy (lane e, or e + 16): with one source lane for the whole warp, ptxas
+    knows the words are warp-uniform, keeps them in uniform registers and copies one into a vector register before
+    every permute that reads it (about one instruction per weight)."""
+    fetch = " ".join(f"or.b32 i, half, {e}; shfl.sync.idx.b32 c{e}, $8, i, 0x1f, -1;" for e in range(16))
+    pairs = " ".join(f"cvt.rn.bf16x2.f32 p{i}, c{2 * i + 1}, c{2 * i};" for i in range(8))
+    words = " ".join(f"prmt.b32 ${i}, p{2 * i}, p{2 * i + 1}, 0x6420; "
+                     f"prmt.b32 ${4 + i}, p{2 * i}, p{2 * i + 1}, 0x7531;" for i in range(4))  # fmt: skip
+    return ("{ .reg .b32 c<16>, p<8>, i, half; mov.u32 half, %laneid; and.b32 half, half, 16; " + fetch + " " + pairs
+            + " " + words + " }")  # fmt: skip
+
+
+PERMUTE_TABLE_PTX: tl.constexpr = tl.constexpr(_permute_table_ptx())
+# One word's dot product with its x: code pairs $1..$4 times x pairs $5..$8 in packed bf16 FMAs (each half of the
+# accumulator sums 4 products, rounding to bf16 at each step), then the two halves widened to fp32 and added ($0).
+PACKED_DOT_PTX: tl.constexpr = tl.constexpr(
+    "{ .reg .b32 z, a, e, o; mov.b32 z, 0; fma.rn.bf16x2 a, $1, $5, z; fma.rn.bf16x2 a, $2, $6, a; "
+    "fma.rn.bf16x2 a, $3, $7, a; fma.rn.bf16x2 a, $4, $8, a; shl.b32 e, a, 16; and.b32 o, a, 0xFFFF0000; "
+    "add.f32 $0, e, o; }"
+)
 
 
 @triton.jit
@@ -214,9 +268,11 @@ def _load_words(
     BLOCKSIZE: tl.constexpr,
     SUB: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PACKED_DOT: tl.constexpr,
 ):
     """The DRAM reads of one FACTOR_SCALES tile: W[offs_n, k0 : k0 + BLOCK_K] as (BLOCK_N, NB, SUB / 8) int32 words,
-    the (BLOCK_N, NB) stored scales and x[k0 : k0 + BLOCK_K] as fp32 (1, NB, SUB / 8, 8), NB = BLOCK_K / SUB.
+    the (BLOCK_N, NB) stored scales and x[k0 : k0 + BLOCK_K] as fp32 (1, NB, SUB / 8, 8), NB = BLOCK_K / SUB; with
+    ``PACKED_DOT`` x as its bf16 pairs, (1, NB, SUB / 8, 4) int32 (the row 4-byte aligned: the launcher's check).
 
     x is loaded 4-D on purpose: its load fixes the layout of the decoded (BLOCK_N, NB, SUB / 8, 8) tile so that each
     thread holds whole words (8 weights of one row) and reduces them in registers.
@@ -230,10 +286,16 @@ def _load_words(
     words = tl.load(w_ptr + rows[:, None, None] * stride_wn + word[None, :, :], mask=mask, other=0)
     block_idx, scale_mask = _sub_block_index(offs_n, k0, k_end, N, K, BLOCKSIZE, SUB, NB)
     raw_scale = tl.load(absmax_ptr + block_idx, mask=scale_mask, other=0)
-    k = word[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # (NB, WPB, 8)
     # The mask per word (k_end is a multiple of 8 here), so that the 8 x values of a word load as one 16-byte vector.
-    x = tl.load(x_row_ptr + k[None, :, :, :], mask=(word < k_end // 8)[None, :, :, None], other=0.0)
-    return words, raw_scale, x.to(tl.float32)
+    if PACKED_DOT:
+        pair = word[:, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # (NB, WPB, 4)
+        x_pairs = x_row_ptr.to(tl.pointer_type(tl.int32))
+        x = tl.load(x_pairs + pair[None, :, :, :], mask=(word < k_end // 8)[None, :, :, None], other=0)
+    else:
+        k = word[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # (NB, WPB, 8)
+        x = tl.load(x_row_ptr + k[None, :, :, :], mask=(word < k_end // 8)[None, :, :, None], other=0.0)
+        x = x.to(tl.float32)
+    return words, raw_scale, x
 
 
 @triton.jit
@@ -272,6 +334,67 @@ def _factored_row_dot(
     values = _lookup_codes(words[:, :, :, None] >> shifts[None, None, None, :], lane_entry, code_ptr, SHUFFLE_LUT)
     per_block = tl.sum(tl.sum(values * x, axis=3), axis=2)  # (BLOCK_N, NB)
     return tl.sum(per_block * scale, axis=1)
+
+
+@triton.jit
+def _permute_table(lane_entry):
+    """The 16-entry code table as the 8 words ``PERMUTE_DECODE_PTX`` reads (low bytes of entries 0-3, 4-7, 8-11,
+    12-15, then their high bytes), each (1, 1, 1) int32, from ``lane_entry`` ([`_lane_code_entry`]) by
+    ``PERMUTE_TABLE_PTX``. Built from shuffles, the words are per-thread values to ptxas: made from the fp32 table by
+    uniform loads, they went to uniform registers, and a copy into a vector register preceded every permute."""
+    entry = tl.reshape(lane_entry, (1, 1, 1))
+    return tl.inline_asm_elementwise(PERMUTE_TABLE_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [entry],
+                                     dtype=(tl.int32,) * 8, is_pure=True, pack=1)  # fmt: skip
+
+
+@triton.jit
+def _packed_row_dot(
+    words,  # (BLOCK_N, NB, SUB / 8) int32, from _load_words
+    raw_scale,  # (BLOCK_N, NB)
+    x_pairs,  # (1, NB, SUB / 8, 4) int32: x's bf16 pairs (PACKED_DOT)
+    table,  # the 8 words of _permute_table
+    nested_code_ptr,
+    nested_absmax_ptr,
+    offset_ptr,
+    offs_n,
+    k0,
+    k_end,
+    N,
+    K,
+    BLOCKSIZE: tl.constexpr,
+    NESTED: tl.constexpr,
+    NESTED_BLOCKSIZE: tl.constexpr,
+    SUB: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MUL_RN: tl.constexpr,
+):
+    """[`_factored_row_dot`] in packed bf16 math: each word decoded in its thread by byte permutes
+    (``PERMUTE_DECODE_PTX``), its 8 products summed by four ``bf16x2`` FMAs (``PACKED_DOT_PTX``), the per-word fp32
+    sums added per sub-block and scaled once."""
+    NB: tl.constexpr = BLOCK_K // SUB
+    WPB: tl.constexpr = SUB // 8
+    scale = _sub_block_scales(raw_scale, nested_code_ptr, nested_absmax_ptr, offset_ptr, offs_n, k0, k_end, N, K,
+                              BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB, NB, MUL_RN)  # (BLOCK_N, NB)
+    t0, t1, t2, t3, h0, h1, h2, h3 = table  # each (1, 1, 1)
+    shape: tl.constexpr = words.shape
+    p0, p1, p2, p3 = tl.inline_asm_elementwise(
+        PERMUTE_DECODE_PTX, "=r,=r,=r,=r" + ",r" * 9,
+        [words, tl.broadcast_to(t0, shape), tl.broadcast_to(t1, shape), tl.broadcast_to(t2, shape),
+         tl.broadcast_to(t3, shape), tl.broadcast_to(h0, shape), tl.broadcast_to(h1, shape),
+         tl.broadcast_to(h2, shape), tl.broadcast_to(h3, shape)],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
+    )  # fmt: skip
+    # pairs (0, 2) and (1, 3) by the first split, then each pair by the second
+    even, odd = tl.split(tl.reshape(x_pairs, (1, NB, WPB, 2, 2)))
+    x0, x2 = tl.split(even)
+    x1, x3 = tl.split(odd)
+    per_word = tl.inline_asm_elementwise(
+        PACKED_DOT_PTX, "=f,r,r,r,r,r,r,r,r",
+        [p0, p1, p2, p3, tl.broadcast_to(x0, shape), tl.broadcast_to(x1, shape), tl.broadcast_to(x2, shape),
+         tl.broadcast_to(x3, shape)],
+        dtype=tl.float32, is_pure=True, pack=1,
+    )  # fmt: skip
+    return tl.sum(tl.sum(per_word, axis=2) * scale, axis=1)
 
 
 @triton.jit
@@ -342,6 +465,7 @@ def _fused_small_m_kernel(
     FACTOR_SCALES: tl.constexpr,  # M = 1, ALIGNED 4-bit, W as int32 words: scale per sub-block (_factored_row_dot)
     MUL_RN: tl.constexpr,  # exact nested-absmax decode with fp fusion on (compiled kernels; see _decode_absmax)
     SHUFFLE_LUT: tl.constexpr,  # 4-bit code lookups by warp shuffle (compiled kernels; see _lookup_codes)
+    PACKED_DOT: tl.constexpr,  # FACTOR_SCALES in packed bf16 math (compiled kernels, bf16 rows; _packed_row_dot)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -372,16 +496,24 @@ def _fused_small_m_kernel(
         # Here w_ptr holds int32 words and stride_wn counts words (small_m.py).
         x_row_ptr = x_ptr + pid_m * stride_xm
         words, raw_scale, x_cur = _load_words(w_ptr, absmax_ptr, x_row_ptr, offs_n, k_start, k_end, N, K, stride_wn,
-                                              BLOCKSIZE, SUB, BLOCK_K)  # fmt: skip
+                                              BLOCKSIZE, SUB, BLOCK_K, PACKED_DOT)  # fmt: skip
+        if PACKED_DOT:
+            table = _permute_table(lane_entry)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             cur_words, cur_scale, cur_x = words, raw_scale, x_cur
             words, raw_scale, x_cur = _load_words(w_ptr, absmax_ptr, x_row_ptr, offs_n, k0 + BLOCK_K, k_end, N, K,
-                                                  stride_wn, BLOCKSIZE, SUB, BLOCK_K)  # fmt: skip
-            acc += _factored_row_dot(
-                cur_words, cur_scale, cur_x, lane_entry, code_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
-                offs_n, k0, k_end, N, K, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB, BLOCK_K, MUL_RN, SHUFFLE_LUT,
-            )[:, None]
+                                                  stride_wn, BLOCKSIZE, SUB, BLOCK_K, PACKED_DOT)  # fmt: skip
+            if PACKED_DOT:
+                acc += _packed_row_dot(
+                    cur_words, cur_scale, cur_x, table, nested_code_ptr, nested_absmax_ptr, offset_ptr, offs_n, k0,
+                    k_end, N, K, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB, BLOCK_K, MUL_RN,
+                )[:, None]
+            else:
+                acc += _factored_row_dot(
+                    cur_words, cur_scale, cur_x, lane_entry, code_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+                    offs_n, k0, k_end, N, K, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB, BLOCK_K, MUL_RN, SHUFFLE_LUT,
+                )[:, None]
     else:
         packed, raw_scale = _load_weight_raw(
             w_ptr, absmax_ptr, offs_n, k_start, k_end, N, K, stride_wn, WEIGHT_KIND, BLOCKSIZE, SUB, BLOCK_N, BLOCK_K

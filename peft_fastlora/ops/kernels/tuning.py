@@ -13,9 +13,9 @@ Format (``format: 1``)::
             "block_n": 8, "block_k": 1024, "split_k": 1, "num_warps": 4, "num_stages": 1}, ...}}}}}}}
 
 ``nf4`` covers every 4-bit weight (FP4 decodes through the same code table). Each config holds the fields of
-[`SmallMConfig`] (``factor_scales`` and ``block_m`` only where they are not the default). A lookup for M rows takes
-the entry of the smallest tabled M >= M (the largest tabled M beyond it). Shapes or GPUs not in the table get
-``None`` and the launcher falls back to its heuristic.
+[`SmallMConfig`] (``factor_scales``, ``block_m`` and ``packed_dot`` only where they are not the default). A lookup
+for M rows takes the entry of the smallest tabled M >= M (the largest tabled M beyond it). Shapes or GPUs not in the
+table get ``None`` and the launcher falls back to its heuristic.
 
 Caching: the merged table is read once per value of ``PEFT_FASTLORA_SMALL_M_CONFIGS`` (``_merged_devices``) and GPU
 names once per device index; both are keyed by everything they read, so nothing needs invalidating while the
@@ -65,6 +65,9 @@ class SmallMConfig:
     # Tensor-core path: rows per program (the MMA's second side). Each program decodes its weight tile once for its
     # rows, so rows beyond block_m decode the weight again: 32 or 64 keep 17-64 rows to one decode of W.
     block_m: int = 16
+    # With factor_scales on bf16 rows (compiled kernels): decode by byte permutes and sum each word's products in
+    # packed bf16 FMAs (small_m_kernel.py, PACKED_DOT); codes and per-word partial sums are rounded to bf16.
+    packed_dot: bool = False
 
     def __post_init__(self) -> None:
         # Configs may come from a user's JSON file: reject what the kernel cannot tile, naming the field.
@@ -76,7 +79,7 @@ class SmallMConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"SmallMConfig `{name}` must be an int >= 1, got {value!r}.")
-        for name in ("use_dot", "factor_scales"):
+        for name in ("use_dot", "factor_scales", "packed_dot"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SmallMConfig `{name}` must be true or false, got {getattr(self, name)!r}.")
         if self.block_m not in BLOCK_MS or type(self.block_m) is not int:
@@ -88,8 +91,8 @@ class SmallMConfig:
         return self.block_m if self.use_dot else 1
 
     def to_json(self) -> dict[str, Any]:
-        """The table entry: every field, ``factor_scales`` and ``block_m`` only where they differ from their defaults
-        (tables written before ``block_m`` existed read the same)."""
+        """The table entry: every field, ``factor_scales``, ``block_m`` and ``packed_dot`` only where they differ from
+        their defaults (tables written before ``block_m`` existed read the same)."""
         entry = asdict(self)
         for name, default in _OMITTED_DEFAULTS.items():
             if entry[name] == default:
@@ -105,7 +108,9 @@ class SmallMConfig:
 
 
 CONFIG_FIELDS = tuple(f.name for f in fields(SmallMConfig))
-_OMITTED_DEFAULTS = {name: SmallMConfig.__dataclass_fields__[name].default for name in ("factor_scales", "block_m")}
+_OMITTED_DEFAULTS = {
+    name: SmallMConfig.__dataclass_fields__[name].default for name in ("factor_scales", "block_m", "packed_dot")
+}
 
 
 def _cdiv(a: int, b: int) -> int:
