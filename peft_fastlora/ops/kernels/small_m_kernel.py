@@ -368,9 +368,10 @@ def _packed_row_dot(
     BLOCK_K: tl.constexpr,
     MUL_RN: tl.constexpr,
 ):
-    """[`_factored_row_dot`] in packed bf16 math: each word decoded in its thread by byte permutes
-    (``PERMUTE_DECODE_PTX``), its 8 products summed by four ``bf16x2`` FMAs (``PACKED_DOT_PTX``), the per-word fp32
-    sums added per sub-block and scaled once."""
+    """[`_factored_row_dot`] in packed bf16 math, per word: (BLOCK_N, NB, SUB / 8) fp32 ``scale * sum(code * x)``
+    over each word's 8 weights, the word decoded in its thread by byte permutes (``PERMUTE_DECODE_PTX``) and its
+    products summed by four ``bf16x2`` FMAs (``PACKED_DOT_PTX``). The caller keeps these sums across the K loop and
+    reduces them once after it (an FMA per word a step instead of a cross-lane reduction per step)."""
     NB: tl.constexpr = BLOCK_K // SUB
     WPB: tl.constexpr = SUB // 8
     scale = _sub_block_scales(raw_scale, nested_code_ptr, nested_absmax_ptr, offset_ptr, offs_n, k0, k_end, N, K,
@@ -394,7 +395,7 @@ def _packed_row_dot(
          tl.broadcast_to(x3, shape)],
         dtype=tl.float32, is_pure=True, pack=1,
     )  # fmt: skip
-    return tl.sum(tl.sum(per_word, axis=2) * scale, axis=1)
+    return per_word * scale[:, :, None]
 
 
 @triton.jit
@@ -499,21 +500,24 @@ def _fused_small_m_kernel(
                                               BLOCKSIZE, SUB, BLOCK_K, PACKED_DOT)  # fmt: skip
         if PACKED_DOT:
             table = _permute_table(lane_entry)
+            word_sums = tl.zeros(words.shape, dtype=tl.float32)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             cur_words, cur_scale, cur_x = words, raw_scale, x_cur
             words, raw_scale, x_cur = _load_words(w_ptr, absmax_ptr, x_row_ptr, offs_n, k0 + BLOCK_K, k_end, N, K,
                                                   stride_wn, BLOCKSIZE, SUB, BLOCK_K, PACKED_DOT)  # fmt: skip
             if PACKED_DOT:
-                acc += _packed_row_dot(
+                word_sums += _packed_row_dot(
                     cur_words, cur_scale, cur_x, table, nested_code_ptr, nested_absmax_ptr, offset_ptr, offs_n, k0,
                     k_end, N, K, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB, BLOCK_K, MUL_RN,
-                )[:, None]
+                )
             else:
                 acc += _factored_row_dot(
                     cur_words, cur_scale, cur_x, lane_entry, code_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                     offs_n, k0, k_end, N, K, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB, BLOCK_K, MUL_RN, SHUFFLE_LUT,
                 )[:, None]
+        if PACKED_DOT:
+            acc = tl.sum(tl.sum(word_sums, axis=2), axis=1)[:, None]
     else:
         packed, raw_scale = _load_weight_raw(
             w_ptr, absmax_ptr, offs_n, k_start, k_end, N, K, stride_wn, WEIGHT_KIND, BLOCKSIZE, SUB, BLOCK_N, BLOCK_K
