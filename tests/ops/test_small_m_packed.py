@@ -8,6 +8,7 @@ path's roundings in the bound).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -92,6 +93,18 @@ def test_config_field_round_trips():
     assert SmallMConfig.from_json(config.to_json()) == config
     with pytest.raises(ValueError, match="packed_dot"):
         SmallMConfig(use_dot=False, block_n=8, block_k=512, packed_dot="yes")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("factor_scales", [True, False])
+@pytest.mark.parametrize("interpret", [True, False])
+def test_packed_path_runs_only_on_compiled_factored_bf16_launches(dtype, factor_scales, interpret):
+    from peft_fastlora.ops.kernels.small_m import packs_dot
+
+    asked = SmallMConfig(use_dot=False, block_n=8, block_k=512, packed_dot=True)
+    expected = dtype == torch.bfloat16 and factor_scales and not interpret
+    assert packs_dot(asked, dtype, factor_scales, interpret) == expected
+    assert not packs_dot(dataclasses.replace(asked, packed_dot=False), dtype, factor_scales, interpret)
 
 
 PACKED_CONFIGS = [

@@ -206,6 +206,13 @@ def _words_args(weight: QuantizedWeight, block_k: int) -> tuple:
     return packed.view(torch.int32), k // 8
 
 
+def packs_dot(config: SmallMConfig, dtype: torch.dtype, factor_scales: bool, interpret: bool) -> bool:
+    """Whether a launch runs the packed M = 1 path (``PACKED_DOT``): asked for by ``config``, on the factored path,
+    bf16 rows (a bf16x2 sum has fp32's range; an fp16x2 one could overflow where the fp32 sums do not), compiled
+    kernels (inline PTX; the interpreter runs the shuffle path's gather twin)."""
+    return config.packed_dot and factor_scales and dtype == torch.bfloat16 and not interpret
+
+
 # The kernel's parameters in order: the launcher builds its argument tuple positionally in this order (keyword
 # binding of 53 arguments cost ~6 us of host time per decode call), and this list is checked against the kernel's
 # signature here, at import, so that an edit of either one cannot silently shift arguments.
@@ -263,8 +270,7 @@ class SmallMLaunch:
                 w_args = (words[0], *w_args[1:6], words[1])
         interpret = is_interpreted(_fused_small_m_kernel)
         require_launchable(_fused_small_m_kernel, device)
-        # inline PTX (compiled kernels only) on bf16 rows, which it reads as 32-bit pairs (see __call__)
-        self.packed_dot = factor_scales and config.packed_dot and dtype == torch.bfloat16 and not interpret
+        self.packed_dot = packs_dot(config, dtype, factor_scales, interpret)
         # fp fusion stays on (FMAs in the dot products): the only sums that must not fuse, in the nested-absmax
         # decode, use mul.rn (MUL_RN). The interpreter computes exactly as written.
         self.options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
