@@ -605,11 +605,13 @@ PACKED_PTX = textwrap.dedent(
                  offset_ptr="*fp32", code_ptr="*fp32", out_ptr="*fp32", table_ptr="*i32",
                  **dict.fromkeys(("N", "words_per_row", "blocks_per_row", "words_per_split", "n_words"), "i32"))
     counts = {}
-    for variant in ("cuh2", "cuh2r", "cuh2hr"):
+    for variant in ("cuh2", "cuh2r", "cuh2hr", "cuh2s"):
         half = torch.float16 if variant in P.FP16_MODES else torch.bfloat16
         operands = variant in P.TABLE_OPERAND_MODES
+        code = torch.linspace(-1, 1, 16) ** 3
+        decode = P.prmt_select_decode_asm() if variant == "cuh2s" else P.prmt_decode_asm(code, half, operands)
         constexprs = dict(MODE=P.MODES[variant], NESTED_BLOCKSIZE=256, ATOMIC=True, MUL_RN=True, BLOCK_N=8,
-                          BLOCK_K=512, DECODE_ASM=P.prmt_decode_asm(torch.linspace(-1, 1, 16) ** 3, half, operands),
+                          BLOCK_K=512, DECODE_ASM=decode,
                           DOT_ASM=P.PACKED_DOT_ASM["fp16" if half == torch.float16 else "bf16"],
                           TABLE_OPERANDS=operands, **({} if operands else dict(table_ptr=None)))
         signature = {name: "constexpr" if name in constexprs else types[name]
@@ -626,8 +628,8 @@ PACKED_PTX = textwrap.dedent(
 def test_probe_packed_variants_sum_each_word_in_packed_fmas():
     """The ``cuh2*`` probes compiled for sm_90 ahead of time, 8 x 512 on one warp: each thread decodes its 16 words
     a step by byte permutes and sums each word's 8 products in 4 packed FMAs (bf16x2, or f16x2 for ``cuh2hr``), with
-    no code-table shuffle; ``cuh2r`` and ``cuh2hr`` take the table as operands instead of writing it into each word's
-    decode."""
+    no code-table shuffle; ``cuh2r``, ``cuh2hr`` and ``cuh2s`` take the table as operands instead of writing it into
+    each word's decode, and ``cuh2s`` needs 14 permutes a word instead of 16 (its table half chosen by ``lop3``)."""
     pytest.importorskip("triton.backends.nvidia")
     env = {key: value for key, value in _env().items() if key != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", PACKED_PTX], cwd=REPO, capture_output=True, text=True,
@@ -638,3 +640,4 @@ def test_probe_packed_variants_sum_each_word_in_packed_fmas():
     assert counts["cuh2"] == dict(common, fma_bf16x2=64, fma_f16x2=0, table_movs=16), counts
     assert counts["cuh2r"] == dict(common, fma_bf16x2=64, fma_f16x2=0, table_movs=0), counts
     assert counts["cuh2hr"] == dict(common, fma_bf16x2=0, fma_f16x2=64, table_movs=0), counts
+    assert counts["cuh2s"] == dict(common, prmt=16 * 14, fma_bf16x2=64, fma_f16x2=0, table_movs=0), counts
