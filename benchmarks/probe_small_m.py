@@ -69,6 +69,7 @@ import triton
 import triton.language as tl
 
 from peft_fastlora.ops.kernels.jit import INV_127, decode_absmax
+from peft_fastlora.ops.kernels.small_m_kernel import PACKED_DOT_PTX, PERMUTE_DECODE_PTX
 
 SHAPES = [(14336, 4096), (4096, 14336), (4096, 4096)]  # (N, K)
 MODES = {"stream": 0, "arith": 1, "lut": 2, "shfl": 3, "bits": 4, "tcshfl": 5, "tcbits": 6, "tcbd": 7, "shflacc": 8,
@@ -267,20 +268,10 @@ def prmt_decode_asm(code: torch.Tensor, dtype: torch.dtype = torch.bfloat16, tab
 
 
 def prmt_select_decode_asm() -> str:
-    """``prmt_decode_asm`` with the table as operands ($5..$12), choosing each nibble's table half by a bit select:
-    ``v = word << 4`` puts the top bit of nibbles 0, 2, 4, 6 at the top of a byte (nibbles 1, 3, 5, 7 have theirs
-    there already), and a permute in sign-replicate mode (selector nibble bit 3) spreads the top bit of the chosen
-    byte over a whole byte: byte i of the mask is 0xFF where nibble i's bit 3 is set. ``lop3`` (0xD8: ``m ? b : a``)
-    then takes entries 8-15 there. No constant but the immediates of the instructions."""
-
-    def half(selector_src, mask_selector, out0, out1):
-        return (f"and.b32 s, {selector_src}, 0x7777; prmt.b32 m, $4, v, {mask_selector}; "
-                "prmt.b32 a, $5, $6, s; prmt.b32 b, $7, $8, s; lop3.b32 cl, a, b, m, 0xD8; "
-                "prmt.b32 a, $9, $10, s; prmt.b32 b, $11, $12, s; lop3.b32 ch, a, b, m, 0xD8; "
-                f"prmt.b32 {out0}, cl, ch, 0x4051; prmt.b32 {out1}, cl, ch, 0x6273; ")  # fmt: skip
-
-    return ("{ .reg .b32 s, v, m, a, b, cl, ch, w2; shl.b32 v, $4, 4; " + half("$4", "0x9D8C", "$0", "$1")
-            + "shr.b32 w2, $4, 16; " + half("w2", "0xBFAE", "$2", "$3") + "}")  # fmt: skip
+    """``prmt_decode_asm`` with the table as operands ($5..$12), choosing each nibble's table half by a bit select
+    under a byte mask made by a sign-replicating permute: the production kernel's ``PERMUTE_DECODE_PTX`` (its
+    docstring says how)."""
+    return PERMUTE_DECODE_PTX.value
 
 
 @triton.jit
@@ -379,6 +370,20 @@ def _probe_4bit_tcprmtb(
 
 
 @triton.jit
+def _word_tile(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, rows, mask_n, words_per_row,
+               blocks_per_row, w0, word_in_tile, NB: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
+               MUL_RN: tl.constexpr):  # fmt: skip
+    """The (BLOCK_N, NB, 8) words of the tile starting at word ``w0`` and the (BLOCK_N, NB) scales of its blocks."""
+    words = tl.load(w_ptr + rows[:, None, None] * words_per_row + (w0 + word_in_tile)[None, :, :],
+                    mask=mask_n[:, None, None], other=0)  # fmt: skip
+    blk = rows[:, None] * blocks_per_row + (w0 // 8 + tl.arange(0, NB))[None, :]
+    raw = tl.load(absmax_ptr + blk, mask=mask_n[:, None], other=0)
+    scale = decode_absmax(raw, blk, mask_n[:, None], nested_code_ptr, nested_absmax_ptr, offset_ptr, True,
+                          NESTED_BLOCKSIZE, MUL_RN)  # fmt: skip
+    return words, scale
+
+
+@triton.jit
 def _pair_fma(acc, p, x_even_ptr, MASK_ODD: tl.constexpr):
     """``acc`` plus elements 2 i and 2 i + 1 of each word times their x: the elements from the word's bf16 pair ``p``
     (uint32: 2 i in the low half, 2 i + 1 in the high half) widened to fp32 by a shift and a mask; ``x_even_ptr``:
@@ -405,12 +410,8 @@ def _probe_4bit_cuprmt(
     word_in_tile = tl.arange(0, NB)[:, None] * 8 + tl.arange(0, 8)[None, :]  # (NB, 8)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for w0 in range(w_start, w_end, BLOCK_K // 8):
-        words = tl.load(w_ptr + rows[:, None, None] * words_per_row + (w0 + word_in_tile)[None, :, :],
-                        mask=mask_n[:, None, None], other=0)  # fmt: skip
-        blk = rows[:, None] * blocks_per_row + (w0 // 8 + tl.arange(0, NB))[None, :]
-        raw = tl.load(absmax_ptr + blk, mask=mask_n[:, None], other=0)
-        scale = decode_absmax(raw, blk, mask_n[:, None], nested_code_ptr, nested_absmax_ptr, offset_ptr, True,
-                              NESTED_BLOCKSIZE, MUL_RN)  # fmt: skip
+        words, scale = _word_tile(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, rows, mask_n,
+                                  words_per_row, blocks_per_row, w0, word_in_tile, NB, NESTED_BLOCKSIZE, MUL_RN)
         p0, p1, p2, p3 = tl.inline_asm_elementwise(DECODE_ASM, "=r,=r,=r,=r,r", [words], dtype=(tl.uint32,) * 4,
                                                    is_pure=True, pack=1)  # fmt: skip
         x_word = x_ptr + (w0 + word_in_tile) * 8  # (NB, 8): x of each word's element 0
@@ -450,9 +451,7 @@ def _probe_int8(
 # One word's dot product with its x in packed 16-bit FMAs: $1..$4 the word's code pairs (element 2 i in the low half),
 # $5..$8 its x pairs, $0 the fp32 sum. The first FMA adds into a zero register (ptxas hoists the mov).
 PACKED_DOT_ASM = {
-    "bf16": ("{ .reg .b32 z, a, e, o; mov.b32 z, 0; fma.rn.bf16x2 a, $1, $5, z; fma.rn.bf16x2 a, $2, $6, a; "
-             "fma.rn.bf16x2 a, $3, $7, a; fma.rn.bf16x2 a, $4, $8, a; shl.b32 e, a, 16; and.b32 o, a, 0xFFFF0000; "
-             "add.f32 $0, e, o; }"),
+    "bf16": PACKED_DOT_PTX.value,  # the production kernel's
     "fp16": ("{ .reg .b32 z, a; .reg .b16 l, h, s; mov.b32 z, 0; fma.rn.f16x2 a, $1, $5, z; "
              "fma.rn.f16x2 a, $2, $6, a; fma.rn.f16x2 a, $3, $7, a; fma.rn.f16x2 a, $4, $8, a; mov.b32 {l, h}, a; "
              "add.rn.f16 s, l, h; cvt.f32.f16 $0, s; }"),
@@ -494,12 +493,8 @@ def _probe_4bit_packed(
     word_in_tile = tl.arange(0, NB)[:, None] * 8 + tl.arange(0, 8)[None, :]  # (NB, 8)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for w0 in range(w_start, w_end, BLOCK_K // 8):
-        words = tl.load(w_ptr + rows[:, None, None] * words_per_row + (w0 + word_in_tile)[None, :, :],
-                        mask=mask_n[:, None, None], other=0)  # fmt: skip
-        blk = rows[:, None] * blocks_per_row + (w0 // 8 + tl.arange(0, NB))[None, :]
-        raw = tl.load(absmax_ptr + blk, mask=mask_n[:, None], other=0)
-        scale = decode_absmax(raw, blk, mask_n[:, None], nested_code_ptr, nested_absmax_ptr, offset_ptr, True,
-                              NESTED_BLOCKSIZE, MUL_RN)  # fmt: skip
+        words, scale = _word_tile(w_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, rows, mask_n,
+                                  words_per_row, blocks_per_row, w0, word_in_tile, NB, NESTED_BLOCKSIZE, MUL_RN)
         if TABLE_OPERANDS:
             p0, p1, p2, p3 = tl.inline_asm_elementwise(
                 DECODE_ASM, "=r,=r,=r,=r" + ",r" * 10,

@@ -29,7 +29,7 @@ instruction per weight instead of the five of a gather from memory (docs/kernels
 ``PACKED_DOT`` (M = 1, ``FACTOR_SCALES``, bf16 rows, compiled kernels) decodes each word in its thread by byte
 permutes from the code table's bf16 bytes held in registers and sums its 8 products in four ``bf16x2`` FMAs: about
 3.6 instructions per weight instead of ~14, at the price of codes rounded to bf16 and each word's partial sums
-rounded to bf16 (``_packed_row_dot``; the tests bound that rounding).
+rounded to bf16 (``_packed_word_sums``; the tests bound that rounding).
 
 The launcher, ``small_m.py``, chooses the tiling and builds the argument list.
 """
@@ -348,34 +348,15 @@ def _permute_table(lane_entry):
 
 
 @triton.jit
-def _packed_row_dot(
-    words,  # (BLOCK_N, NB, SUB / 8) int32, from _load_words
-    raw_scale,  # (BLOCK_N, NB)
-    x_pairs,  # (1, NB, SUB / 8, 4) int32: x's bf16 pairs (PACKED_DOT)
-    table,  # the 8 words of _permute_table
-    nested_code_ptr,
-    nested_absmax_ptr,
-    offset_ptr,
-    offs_n,
-    k0,
-    k_end,
-    N,
-    K,
-    BLOCKSIZE: tl.constexpr,
-    NESTED: tl.constexpr,
-    NESTED_BLOCKSIZE: tl.constexpr,
-    SUB: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    MUL_RN: tl.constexpr,
-):
+def _packed_word_sums(words, scale, x_pairs, table):
     """[`_factored_row_dot`] in packed bf16 math, per word: (BLOCK_N, NB, SUB / 8) fp32 ``scale * sum(code * x)``
-    over each word's 8 weights, the word decoded in its thread by byte permutes (``PERMUTE_DECODE_PTX``) and its
-    products summed by four ``bf16x2`` FMAs (``PACKED_DOT_PTX``). The caller keeps these sums across the K loop and
-    reduces them once after it (an FMA per word a step instead of a cross-lane reduction per step)."""
-    NB: tl.constexpr = BLOCK_K // SUB
-    WPB: tl.constexpr = SUB // 8
-    scale = _sub_block_scales(raw_scale, nested_code_ptr, nested_absmax_ptr, offset_ptr, offs_n, k0, k_end, N, K,
-                              BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB, NB, MUL_RN)  # (BLOCK_N, NB)
+    over each word's 8 weights, from the words (``_load_words``), the (BLOCK_N, NB) decoded sub-block scales, x's bf16
+    pairs as (1, NB, SUB / 8, 4) int32 and the 8 table words (``_permute_table``). Each word is decoded in its thread
+    by byte permutes (``PERMUTE_DECODE_PTX``) and its products are summed by four ``bf16x2`` FMAs
+    (``PACKED_DOT_PTX``). The caller keeps these sums across the K loop and reduces them once after it (an FMA per
+    word a step instead of a cross-lane reduction per step)."""
+    NB: tl.constexpr = words.shape[1]
+    WPB: tl.constexpr = words.shape[2]
     t0, t1, t2, t3, h0, h1, h2, h3 = table  # each (1, 1, 1)
     shape: tl.constexpr = words.shape
     p0, p1, p2, p3 = tl.inline_asm_elementwise(
@@ -466,7 +447,7 @@ def _fused_small_m_kernel(
     FACTOR_SCALES: tl.constexpr,  # M = 1, ALIGNED 4-bit, W as int32 words: scale per sub-block (_factored_row_dot)
     MUL_RN: tl.constexpr,  # exact nested-absmax decode with fp fusion on (compiled kernels; see _decode_absmax)
     SHUFFLE_LUT: tl.constexpr,  # 4-bit code lookups by warp shuffle (compiled kernels; see _lookup_codes)
-    PACKED_DOT: tl.constexpr,  # FACTOR_SCALES in packed bf16 math (compiled kernels, bf16 rows; _packed_row_dot)
+    PACKED_DOT: tl.constexpr,  # FACTOR_SCALES in packed bf16 math (compiled kernels, bf16 rows; _packed_word_sums)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -507,10 +488,9 @@ def _fused_small_m_kernel(
             words, raw_scale, x_cur = _load_words(w_ptr, absmax_ptr, x_row_ptr, offs_n, k0 + BLOCK_K, k_end, N, K,
                                                   stride_wn, BLOCKSIZE, SUB, BLOCK_K, PACKED_DOT)  # fmt: skip
             if PACKED_DOT:
-                word_sums += _packed_row_dot(
-                    cur_words, cur_scale, cur_x, table, nested_code_ptr, nested_absmax_ptr, offset_ptr, offs_n, k0,
-                    k_end, N, K, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB, BLOCK_K, MUL_RN,
-                )
+                scale = _sub_block_scales(cur_scale, nested_code_ptr, nested_absmax_ptr, offset_ptr, offs_n, k0, k_end,
+                                          N, K, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB, BLOCK_K // SUB, MUL_RN)
+                word_sums += _packed_word_sums(cur_words, scale, cur_x, table)
             else:
                 acc += _factored_row_dot(
                     cur_words, cur_scale, cur_x, lane_entry, code_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
