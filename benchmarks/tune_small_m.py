@@ -129,10 +129,10 @@ Tiling = SmallMConfig
 def tiling_label(t: SmallMConfig) -> str:
     stages = f" st{t.num_stages}" if t.num_stages != 1 else ""
     unfactored = " unfactored" if not t.factor_scales else ""
-    unfactored += " packed" if t.packed_dot else ""
+    packed = " packed" if t.packed_dot else ""
     rows = f" m{t.block_m}" if t.use_dot and t.block_m != 16 else ""
     path = "dot" if t.use_dot else "fma"
-    return f"{path} n{t.block_n} k{t.block_k} s{t.split_k} w{t.num_warps}{stages}{unfactored}{rows}"
+    return f"{path} n{t.block_n} k{t.block_k} s{t.split_k} w{t.num_warps}{stages}{unfactored}{packed}{rows}"
 
 
 def make_tiling(k: int, use_dot: bool, block_n: int, block_k: int, split_k: int = 1, num_warps: int = 4,

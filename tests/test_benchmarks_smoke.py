@@ -554,6 +554,17 @@ def test_probe_prmt_decode_gives_the_codes_of_a_word(dtype, decode):
         assert _run_ptx(asm, word, operands) == [bits[q] for q in nibbles], hex(word)
 
 
+def _sm90_script_counts(script: str) -> dict:
+    """Runs a script that compiles probes for sm_90 (in a subprocess without ``TRITON_INTERPRET``, since the
+    interpreter's kernels cannot be compiled) and returns the JSON counts its last line prints."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {key: value for key, value in _env().items() if key != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
+                          timeout=TIMEOUT_S, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 CUPRMT_PTX = textwrap.dedent(
     """
     import json, sys
@@ -583,12 +594,7 @@ def test_probe_cuprmt_decodes_by_permutes_without_shuffles():
     cannot be compiled), 8 x 512 on one warp: each thread decodes its 16 words a step with 16 byte permutes each and
     no code-table shuffle or lane id (the sums' reductions keep their own shuffles); ``cuprmt`` masks the 64 odd
     elements, ``cuprmt2`` does not."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {key: value for key, value in _env().items() if key != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", CUPRMT_PTX], cwd=REPO, capture_output=True, text=True,
-                          timeout=TIMEOUT_S, env=env)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    counts = _sm90_script_counts(CUPRMT_PTX)
     assert counts["cuprmt"] == {"prmt": 256, "odd_masks": 64, "code_shuffles": 0, "laneid": 0}
     assert counts["cuprmt2"] == {"prmt": 256, "odd_masks": 0, "code_shuffles": 0, "laneid": 0}
 
@@ -630,12 +636,7 @@ def test_probe_packed_variants_sum_each_word_in_packed_fmas():
     a step by byte permutes and sums each word's 8 products in 4 packed FMAs (bf16x2, or f16x2 for ``cuh2hr``), with
     no code-table shuffle; ``cuh2r``, ``cuh2hr`` and ``cuh2s`` take the table as operands instead of writing it into
     each word's decode, and ``cuh2s`` needs 14 permutes a word instead of 16 (its table half chosen by ``lop3``)."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {key: value for key, value in _env().items() if key != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", PACKED_PTX], cwd=REPO, capture_output=True, text=True,
-                          timeout=TIMEOUT_S, env=env)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    counts = _sm90_script_counts(PACKED_PTX)
     common = dict(prmt=256, code_shuffles=0)
     assert counts["cuh2"] == dict(common, fma_bf16x2=64, fma_f16x2=0, table_movs=16), counts
     assert counts["cuh2r"] == dict(common, fma_bf16x2=64, fma_f16x2=0, table_movs=0), counts
