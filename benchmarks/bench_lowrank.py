@@ -10,6 +10,9 @@
   made again, ``dA = t.T @ h`` by cuBLAS and the SwiGLU backward (what ran before) against
   ``silu_mul_backward_lora`` (one pass: dA from gate and up, h never written). GB/s counts the fused pass's bytes
   (gate, up, dh read; d gate, d up written).
+- The same backward with the fast path's pending terms (gate's, up's and d h's, ``ops/swiglu_lora.py``), and the
+  gate and up B grads (``s dg.T @ xa``): two cuBLAS calls that read d gate and d up back, against the same sums made
+  in the SwiGLU pass (``term_b_grads=True``, ``B_GRADS_IN_SWIGLU_PASS``). GB/s as above.
 - The projection groups (``ops/lora_group.py``): forward and forward+backward of Llama-3-8B's q/k/v (4096 ->
   4096 / 1024 / 1024) and gate/up (4096 -> 14336 / 14336) nf4 projections as one ``lora_linear_group`` op against the
   separate ``fastlora_linear`` ops (autograd summing their input grads); no GB/s (the matmuls dominate).
@@ -84,6 +87,34 @@ def time_down_backward(m: int, inter: int, swiglu, device) -> tuple[dict, float]
     return {k: v - times["clone"] for k, v in times.items() if k != "clone"}, diff
 
 
+def time_term_b_grads(m: int, inter: int, swiglu, device) -> tuple[dict, float]:
+    """Milliseconds of the SwiGLU backward with pending terms plus the gate and up B grads, by two cuBLAS calls
+    after it and in its pass, and the largest difference between the two ways' B grads."""
+    from peft_fastlora.ops.lora_linear import lora_b_grad
+
+    gen = torch.Generator(device=device).manual_seed(3 * m + inter)
+    gate, up, dh = (torch.randn(m, inter, device=device, generator=gen).to(torch.bfloat16) for _ in range(3))
+    t, xa = (torch.randn(m, RANK * k, device=device, generator=gen).to(torch.bfloat16) for k in (1, 2))
+    b_g, b_u, a_d = ((torch.randn(inter, RANK, device=device, generator=gen) / RANK**0.5).to(torch.bfloat16)
+                     for _ in range(3))  # fmt: skip
+    terms = dict(gate_term=(xa[:, :RANK], b_g, 2.0), up_term=(xa[:, RANK:], b_u, 2.0), grad_h_term=(t, a_d, 1.0))
+
+    def separate():
+        dg, du, da = swiglu.silu_mul_backward_lora(dh.clone(), gate, up, t, grad_h_is_scratch=True, **terms)
+        return lora_b_grad(dg, xa[:, :RANK], b_g, 2.0), lora_b_grad(du, xa[:, RANK:], b_u, 2.0)
+
+    def in_pass():
+        *_, gb, ub = swiglu.silu_mul_backward_lora(dh.clone(), gate, up, t, grad_h_is_scratch=True, **terms,
+                                                   term_b_grads=True)  # fmt: skip
+        return (gb.t() * 2.0).to(torch.bfloat16), (ub.t() * 2.0).to(torch.bfloat16)
+
+    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(separate(), in_pass()))
+    clone = lambda: dh.clone()  # noqa: E731 (both cases clone dh, as scratch for d gate)
+    times = {impl: C.bench_ms(fn, device) for impl, fn in (("clone", clone), ("cuBLAS after", separate),
+                                                           ("in pass", in_pass))}  # fmt: skip
+    return {k: v - times["clone"] for k, v in times.items() if k != "clone"}, diff
+
+
 def time_group(m: int, k: int, outs: list[int], device) -> tuple[dict, float]:
     """Milliseconds of forward and forward+backward of nf4 projections of one input, grouped and separate, and the
     largest difference between their outputs and input grads."""
@@ -151,6 +182,13 @@ def main(argv=None) -> int:
             row = dict(case="down dA + SwiGLU backward", M=m, N=inter, r=RANK, impl=impl, time_ms=ms_,
                        GBps=nbytes / ms_ / 1e6, speedup_vs_cublas=times["h made"] / ms_,
                        max_abs_diff=diff if impl == "fused" else None)  # fmt: skip
+            rows.append(row)
+            log.append(row)
+        times, diff = time_term_b_grads(m, inter, C.internals().swiglu, device)
+        for impl, ms_ in times.items():
+            row = dict(case="SwiGLU backward with terms + gate/up dB", M=m, N=inter, r=RANK, impl=impl, time_ms=ms_,
+                       GBps=nbytes / ms_ / 1e6, speedup_vs_cublas=times["cuBLAS after"] / ms_,
+                       max_abs_diff=diff if impl == "in pass" else None)  # fmt: skip
             rows.append(row)
             log.append(row)
         for name, (k, outs) in (TINY_GROUPS if args.tiny else GROUPS).items():

@@ -174,16 +174,24 @@ def silu_mul_backward_lora_ref(
     gate_term: Optional[tuple] = None,
     up_term: Optional[tuple] = None,
     grad_h_term: Optional[tuple] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    term_b_grads: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """``(d gate, d up, t.T @ h)``: [`silu_mul_backward_ref`] and [`silu_mul_t_matmul_ref`] (twin of
-    ``kernels.swiglu.silu_mul_backward_lora``; the operands with their pending terms, if any)."""
+    ``kernels.swiglu.silu_mul_backward_lora``; the operands with their pending terms, if any). ``term_b_grads``: also
+    ``a_gate.T @ d gate`` and ``a_up.T @ d up`` in fp32 (the gate and up terms' ``a``)."""
+    if term_b_grads and (gate_term is None or up_term is None):
+        raise ValueError("`term_b_grads=True` needs both `gate_term` and `up_term`.")
     gate, up = _with_term(gate, gate_term, "gate_term"), _with_term(up, up_term, "up_term")
     dh = _with_term(grad_h, grad_h_term, "grad_h_term")
     grad_a = silu_mul_t_matmul_ref(t, gate, up)
     dg, du = silu_mul_backward_ref(dh, gate, up, grad_h_is_scratch=grad_h_is_scratch, out_up=out_up)
     if grad_h_is_scratch and dh is not grad_h and grad_h.dtype == gate.dtype:
         dg = grad_h.copy_(dg)  # over grad_h itself, not over its copy with the term
-    return dg, du, grad_a
+    if not term_b_grads:
+        return dg, du, grad_a
+    b_grads = tuple(term[0].float().t() @ grad.reshape(term[0].shape[0], grad.shape[-1]).float()
+                    for term, grad in ((gate_term, dg), (up_term, du)))  # fmt: skip
+    return dg, du, grad_a, *b_grads
 
 
 def cross_entropy_grad_ref(logits: torch.Tensor, target: torch.Tensor, grad_scale: float,

@@ -350,6 +350,44 @@ def test_terms_kernels_match_their_twins(force_triton, rows, cols, gate_rs, up_r
     assert_close_scaled(product, expected, 1e-5, 1e-5, "t.T @ h in the backward")
 
 
+@pytest.mark.parametrize("rows, cols", [(1, 1), (7, 50), (70, 257), (0, 130), (600, 130)], ids=str)
+@pytest.mark.parametrize("ranks", [(8, 33), (1, 64), (16, 16)], ids=str)
+@pytest.mark.parametrize("grad_h_term", [False, True], ids=["no-dh-term", "dh-term"])
+@pytest.mark.parametrize("dtype, atol, rtol", ELEMENTWISE_CASES)
+def test_term_b_grads_are_summed_in_the_backward_pass(force_triton, rows, cols, ranks, grad_h_term, dtype, atol,
+                                                      rtol):  # fmt: skip
+    """``term_b_grads``: the backward pass also sums ``a.T @ d gate`` and ``a.T @ d up`` (the terms' B grads): against
+    the fp32 product of the d gate / d up it returned, and against the twin; the other outputs unchanged by the
+    flag, bit for bit (600 rows: two row splits)."""
+    swiglu = kernels.load().swiglu
+    gate, up, grad, t = swiglu_operands(rows, cols, 16, dtype)
+    terms = make_terms(rows, cols, dtype, (ranks[0], 2.0), (ranks[1], 0.5), (64, 0.25) if grad_h_term else None)
+    dg, du, product, gate_b, up_b = swiglu.silu_mul_backward_lora(grad, gate, up, t, **terms, term_b_grads=True)
+    for out, term, d, name in ((gate_b, terms["gate_term"], dg, "gate"), (up_b, terms["up_term"], du, "up")):
+        assert out.dtype == torch.float32 and out.shape == (term[0].shape[1], cols), name
+        assert_close_scaled(out, term[0].float().t() @ d.float(), 1e-5, 1e-5, f"a_{name}.T @ d {name}")
+    plain = swiglu.silu_mul_backward_lora(grad, gate, up, t, **terms)
+    assert len(plain) == 3
+    for x, y in zip(plain, (dg, du, product)):
+        assert torch.equal(x, y)
+    twin = silu_mul_backward_lora_ref(grad, gate, up, t, **terms, term_b_grads=True)
+    torch.testing.assert_close(twin[0], dg, atol=atol, rtol=rtol)
+    torch.testing.assert_close(twin[1], du, atol=atol, rtol=rtol)
+    assert_close_scaled(twin[3], terms["gate_term"][0].float().t() @ twin[0].float(), 1e-6, 1e-6, "twin's gate")
+    if rows:  # the twin's own d gate / d up may differ by an ulp here and there: close at the grads' tolerance
+        assert_close_scaled(twin[3], gate_b, atol * rows**0.5, rtol, "twin against kernel, gate")
+        assert_close_scaled(twin[4], up_b, atol * rows**0.5, rtol, "twin against kernel, up")
+
+
+def test_term_b_grads_need_both_terms(force_triton):
+    swiglu = kernels.load().swiglu
+    gate, up, grad, t = swiglu_operands(8, 16, 16, torch.float32)
+    terms = make_terms(8, 16, torch.float32, (8, 2.0), None, None)
+    for fn in (swiglu.silu_mul_backward_lora, silu_mul_backward_lora_ref):
+        with pytest.raises(ValueError, match="term_b_grads"):
+            fn(grad, gate, up, t, **terms, term_b_grads=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_terms_twin_is_the_twin_on_preadded_operands(dtype):
     """What a term means, bit for bit: the operand after ``lowrank_add_ref``, then the math without terms (N-D gate
@@ -493,6 +531,10 @@ def test_gpu_terms_match_preadded_operands_at_llama_shape():
     torch.testing.assert_close(dg, dg_ref, atol=1e-2, rtol=8e-3)
     torch.testing.assert_close(du, du_ref, atol=1e-2, rtol=8e-3)
     assert_close_scaled(product, expected, 1e-5, 1e-5, "t.T @ h")
+    *same, gate_b, up_b = swiglu.silu_mul_backward_lora(grad, gate, up, t, **terms, term_b_grads=True)
+    assert all(torch.equal(x, y) for x, y in zip(same, (dg, du, product)))
+    assert_close_scaled(gate_b, xa[:, :r].float().t() @ dg.float(), 1e-5, 1e-5, "a_gate.T @ d gate")
+    assert_close_scaled(up_b, xa[:, r:].float().t() @ du.float(), 1e-5, 1e-5, "a_up.T @ d up")
 
 
 # ---- grouped_lora_mlp: gate/up as a projection group whose LoRA terms the SwiGLU kernels add -----------------------
@@ -589,6 +631,39 @@ def test_grouped_mlp_never_passes_over_gate_up_or_dh_for_lora(force_triton, monk
     assert saved_bytes(lambda: grouped_lora_mlp(x, *projections)) == saved_bytes(
         lambda: _old_composition(x, *projections))
     assert all(g is not None for g in grads.values())
+
+
+@pytest.mark.parametrize("adapter_dtype", [torch.bfloat16, torch.float32], ids=["bf16-adapters", "fp32-adapters"])
+def test_grouped_mlp_sums_gate_up_b_grads_in_the_swiglu_pass(force_triton, monkeypatch, adapter_dtype):
+    """The gate and up B grads come from the SwiGLU backward's pass (no ``lora_b_grad`` reading d gate / d up back),
+    and equal the two-matmul path's within the sums' order; the other grads are the same tensors' values, bit for
+    bit."""
+    from peft_fastlora.ops import swiglu_lora
+
+    calls = []
+    real = swiglu_lora.lora_b_grad
+    monkeypatch.setattr(swiglu_lora, "lora_b_grad", lambda g, *a, **k: calls.append(tuple(g.shape)) or real(g, *a, **k))
+    projections = _grouped_projections(64, 96, "nf4-nested", (8, 16, 8), (2.0, 0.5, 1.0), adapter_dtype, False)
+    x = torch.randn(300, 64).bfloat16().requires_grad_()
+    grad = torch.randn(300, 64).bfloat16()
+
+    def grads(in_pass):
+        monkeypatch.setattr(swiglu_lora, "B_GRADS_IN_SWIGLU_PASS", in_pass)
+        calls.clear()
+        for leaf in _grouped_leaves(x, projections).values():
+            leaf.grad = None
+        grouped_lora_mlp(x, *projections).backward(grad)
+        return {name: leaf.grad.clone() for name, leaf in _grouped_leaves(x, projections).items()}, list(calls)
+
+    fused, fused_calls = grads(True)
+    separate, separate_calls = grads(False)
+    assert fused_calls == [] and separate_calls == [(300, 96), (300, 96)]
+    for name in fused:
+        if name in ("gate.lora_b", "up.lora_b"):
+            assert fused[name].dtype == adapter_dtype and fused[name].is_contiguous()
+            assert_close_scaled(fused[name], separate[name], 1e-2, 1e-2, f"d {name}")
+        else:
+            assert torch.equal(fused[name], separate[name]), name
 
 
 def test_grouped_mlp_on_zero_rows(force_triton):

@@ -108,23 +108,34 @@ def _term_b(b_ptr, offs_n, in_n, rank, b_stride_n, b_stride_r, BLOCK_R: tl.const
 
 
 @triton.jit
-def _plus_term(x, a_ptr, b, offs_m, in_m, rank, scaling, a_stride, BLOCK_R: tl.constexpr, ALIGN: tl.constexpr,
-               INTERPRET: tl.constexpr):  # fmt: skip
-    # the fp32 tile x of an operand with its pending term: x + scaling * a[offs_m] @ b (fp32 products and sum),
-    # rounded once to the operand's dtype (a's) as lowrank_add_ would store it, and read back as fp32. Rank and a's
-    # row stride come divided by ALIGN (up to 8, both multiples of it): the compiler then knows a's rows are aligned
-    # and whole vectors in or out of the mask, and loads them as vectors (H100, r = 8, a's rows 8 apart: the t.T @ h
-    # kernel with three terms took 592 us at 8,192 x 14,336 without this, 460 with it)
+def _term_a(a_ptr, offs_m, in_m, rank, a_stride, BLOCK_R: tl.constexpr, ALIGN: tl.constexpr):
+    # (BLOCK_M, BLOCK_R) of a term's a. Rank and a's row stride come divided by ALIGN (up to 8, both multiples of
+    # it): the compiler then knows a's rows are aligned and whole vectors in or out of the mask, and loads them as
+    # vectors (H100, r = 8, a's rows 8 apart: the t.T @ h kernel with three terms took 592 us at 8,192 x 14,336
+    # without this, 460 with it)
     offs_r = tl.arange(0, BLOCK_R)
-    a = tl.load(a_ptr + offs_m.to(tl.int64)[:, None] * (a_stride * ALIGN) + offs_r[None, :],
-                mask=in_m[:, None] & (offs_r < rank * ALIGN)[None, :], other=0.0)  # fmt: skip
-    if INTERPRET:  # the interpreter's 16-bit tl.dot is wrong; fp32 holds 16-bit products exactly
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32))
-    elif a_ptr.dtype.element_ty == tl.float32:  # fp32 activations: fp32 products, as torch.mm (not TF32)
-        acc = tl.dot(a, b, input_precision="ieee")
+    return tl.load(a_ptr + offs_m.to(tl.int64)[:, None] * (a_stride * ALIGN) + offs_r[None, :],
+                   mask=in_m[:, None] & (offs_r < rank * ALIGN)[None, :], other=0.0)  # fmt: skip
+
+
+@triton.jit
+def _dot(a, b, acc, INTERPRET: tl.constexpr):
+    # acc + a @ b with fp32 products and sum: 16-bit operands on tensor cores, fp32 ones in fp32 (as torch.mm, not
+    # TF32); the interpreter's 16-bit tl.dot is wrong, and fp32 holds 16-bit products exactly
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    elif a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
     else:
-        acc = tl.dot(a, b)
-    return round_to(x + scaling * acc, a_ptr.dtype.element_ty, INTERPRET).to(tl.float32)
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _plus_term(x, a, b, scaling, INTERPRET: tl.constexpr):
+    # the fp32 tile x of an operand with its pending term: x + scaling * a @ b (a from _term_a, b from _term_b; fp32
+    # products and sum), rounded once to the operand's dtype (a's) as lowrank_add_ would store it, read back as fp32
+    acc = _dot(a, b, tl.zeros((a.shape[0], b.shape[1]), dtype=tl.float32), INTERPRET)
+    return round_to(x + scaling * acc, a.dtype, INTERPRET).to(tl.float32)
 
 
 @triton.jit
@@ -146,18 +157,20 @@ def _silu_mul_terms_kernel(g_ptr, u_ptr, h_ptr, rows, cols, g_stride, u_stride, 
     g = tl.load(g_ptr + row * g_stride + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     if GATE_TERM:
         gb = _term_b(gb_ptr, offs_n, in_n, g_rank, gb_stride_n, gb_stride_r, BLOCK_RG, G_ALIGN)
-        g = _plus_term(g, ga_ptr, gb, offs_m, in_m, g_rank, g_scaling, ga_stride, BLOCK_RG, G_ALIGN, INTERPRET)
+        ga = _term_a(ga_ptr, offs_m, in_m, g_rank, ga_stride, BLOCK_RG, G_ALIGN)
+        g = _plus_term(g, ga, gb, g_scaling, INTERPRET)
     u = tl.load(u_ptr + row * u_stride + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     if UP_TERM:
         ub = _term_b(ub_ptr, offs_n, in_n, u_rank, ub_stride_n, ub_stride_r, BLOCK_RU, U_ALIGN)
-        u = _plus_term(u, ua_ptr, ub, offs_m, in_m, u_rank, u_scaling, ua_stride, BLOCK_RU, U_ALIGN, INTERPRET)
+        ua = _term_a(ua_ptr, offs_m, in_m, u_rank, ua_stride, BLOCK_RU, U_ALIGN)
+        u = _plus_term(u, ua, ub, u_scaling, INTERPRET)
     h = g * tl.sigmoid(g) * u
     tl.store(h_ptr + row * h_stride + offs_n[None, :], round_to(h, h_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
 @triton.jit
-def _silu_mul_lora_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, t_ptr, ws_ptr, rows, cols, rank, rows_per_split,
-                          dh_stride, g_stride, u_stride, dg_stride, du_stride, t_stride,
+def _silu_mul_lora_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, t_ptr, ws_ptr, gws_ptr, uws_ptr, rows, cols, rank,
+                          rows_per_split, dh_stride, g_stride, u_stride, dg_stride, du_stride, t_stride,
                           ga_ptr, gb_ptr, g_rank, g_scaling, ga_stride, gb_stride_n, gb_stride_r,
                           ua_ptr, ub_ptr, u_rank, u_scaling, ua_stride, ub_stride_n, ub_stride_r,
                           da_ptr, db_ptr, d_rank, d_scaling, da_stride, db_stride_n, db_stride_r,
@@ -165,10 +178,12 @@ def _silu_mul_lora_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, t_ptr, ws_ptr, r
                           GATE_TERM: tl.constexpr, BLOCK_RG: tl.constexpr, G_ALIGN: tl.constexpr,
                           UP_TERM: tl.constexpr, BLOCK_RU: tl.constexpr, U_ALIGN: tl.constexpr,
                           GRAD_H_TERM: tl.constexpr, BLOCK_RD: tl.constexpr, D_ALIGN: tl.constexpr,
-                          INTERPRET: tl.constexpr):  # fmt: skip
+                          TERM_B_GRADS: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     # grid (column blocks, row splits). ws[split, :rank, cols] = t[rows of split].T @ h[rows of split]; with GRAD_H
     # also d gate / d up of those rows (d gate may be written over dh: each element is read before it is written).
     # *_TERM: that operand with its pending term (see _plus_term); b's tile is the same for all of a program's rows.
+    # TERM_B_GRADS (GRAD_H with both operand terms): also gws[split] = a_gate.T @ d gate and uws[split] = a_up.T @
+    # d up over the split's rows, d gate / d up as stored: the terms' B grads, transposed and unscaled.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     offs_r = tl.arange(0, BLOCK_R)
@@ -182,6 +197,9 @@ def _silu_mul_lora_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, t_ptr, ws_ptr, r
     row_begin = split * rows_per_split
     row_end = tl.minimum(row_begin + rows_per_split, rows)
     acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    if TERM_B_GRADS:
+        acc_gb = tl.zeros((BLOCK_RG, BLOCK_N), dtype=tl.float32)
+        acc_ub = tl.zeros((BLOCK_RU, BLOCK_N), dtype=tl.float32)
     for m0 in range(row_begin, row_end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         in_m = offs_m < row_end
@@ -190,32 +208,42 @@ def _silu_mul_lora_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, t_ptr, ws_ptr, r
         g = tl.load(g_ptr + row * g_stride + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + row * u_stride + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         if GATE_TERM:
-            g = _plus_term(g, ga_ptr, gb, offs_m, in_m, g_rank, g_scaling, ga_stride, BLOCK_RG, G_ALIGN, INTERPRET)
+            ga = _term_a(ga_ptr, offs_m, in_m, g_rank, ga_stride, BLOCK_RG, G_ALIGN)
+            g = _plus_term(g, ga, gb, g_scaling, INTERPRET)
         if UP_TERM:
-            u = _plus_term(u, ua_ptr, ub, offs_m, in_m, u_rank, u_scaling, ua_stride, BLOCK_RU, U_ALIGN, INTERPRET)
+            ua = _term_a(ua_ptr, offs_m, in_m, u_rank, ua_stride, BLOCK_RU, U_ALIGN)
+            u = _plus_term(u, ua, ub, u_scaling, INTERPRET)
         sig = tl.sigmoid(g)
         silu = g * sig
         h = round_to(silu * u, g_ptr.dtype.element_ty, INTERPRET)  # h as silu_mul writes it
         if GRAD_H:
             dh = tl.load(dh_ptr + row * dh_stride + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
             if GRAD_H_TERM:
-                dh = _plus_term(dh, da_ptr, db, offs_m, in_m, d_rank, d_scaling, da_stride, BLOCK_RD, D_ALIGN,
-                                INTERPRET)  # fmt: skip
-            dg = dh * u * sig * (1.0 + g * (1.0 - sig))
-            tl.store(dg_ptr + row * dg_stride + offs_n[None, :], round_to(dg, dg_ptr.dtype.element_ty, INTERPRET),
-                     mask=mask)  # fmt: skip
-            tl.store(du_ptr + row * du_stride + offs_n[None, :],
-                     round_to(dh * silu, du_ptr.dtype.element_ty, INTERPRET), mask=mask)  # fmt: skip
+                dha = _term_a(da_ptr, offs_m, in_m, d_rank, da_stride, BLOCK_RD, D_ALIGN)
+                dh = _plus_term(dh, dha, db, d_scaling, INTERPRET)
+            dg = round_to(dh * u * sig * (1.0 + g * (1.0 - sig)), dg_ptr.dtype.element_ty, INTERPRET)
+            du = round_to(dh * silu, du_ptr.dtype.element_ty, INTERPRET)
+            tl.store(dg_ptr + row * dg_stride + offs_n[None, :], dg, mask=mask)
+            tl.store(du_ptr + row * du_stride + offs_n[None, :], du, mask=mask)
+            if TERM_B_GRADS:  # masked rows and columns hold 0 in a and in the grads
+                acc_gb = _dot(tl.trans(ga), dg, acc_gb, INTERPRET)
+                acc_ub = _dot(tl.trans(ua), du, acc_ub, INTERPRET)
         t = tl.load(t_ptr + offs_m.to(tl.int64)[None, :] * t_stride + offs_r[:, None],
                     mask=in_r[:, None] & in_m[None, :], other=0.0)  # fmt: skip
-        if INTERPRET:  # the interpreter's 16-bit tl.dot is wrong; fp32 holds 16-bit products exactly
-            acc = tl.dot(t.to(tl.float32), h.to(tl.float32), acc)
-        elif t_ptr.dtype.element_ty == tl.float32:  # fp32 activations: fp32 products, as torch.mm (not TF32)
-            acc = tl.dot(t, h, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(t, h, acc)
+        acc = _dot(t, h, acc, INTERPRET)
     ws = ws_ptr + split.to(tl.int64) * rank * cols + offs_r[:, None] * cols + offs_n[None, :]
     tl.store(ws, acc, mask=in_r[:, None] & in_n[None, :])
+    if TERM_B_GRADS:
+        _store_split(gws_ptr, acc_gb, split, g_rank * G_ALIGN, cols, offs_n, in_n, BLOCK_RG)
+        _store_split(uws_ptr, acc_ub, split, u_rank * U_ALIGN, cols, offs_n, in_n, BLOCK_RU)
+
+
+@triton.jit
+def _store_split(ws_ptr, acc, split, rank, cols, offs_n, in_n, BLOCK_R: tl.constexpr):
+    # a split's (rank, BLOCK_N) partial sums into ws (splits, rank, cols)
+    offs_r = tl.arange(0, BLOCK_R)
+    ws = ws_ptr + split.to(tl.int64) * rank * cols + offs_r[:, None] * cols + offs_n[None, :]
+    tl.store(ws, acc, mask=(offs_r < rank)[:, None] & in_n[None, :])
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -322,14 +350,17 @@ def silu_mul_backward(grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
 
 
 def _lora_grad_a(t: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, grads: Optional[tuple],
-                 terms: tuple = (None, None, None)) -> torch.Tensor:  # fmt: skip
-    """Launches ``_silu_mul_lora_kernel``: ``t.T @ silu(gate) * up`` in fp32, plus (``grads = (dh, dg, du)``) the
-    SwiGLU backward into ``dg`` / ``du``; ``terms``: those of gate, up and dh (unchecked: [`_term`] checks them)."""
+                 terms: tuple = (None, None, None), term_b_grads: bool = False) -> tuple:  # fmt: skip
+    """Launches ``_silu_mul_lora_kernel``: ``(t.T @ silu(gate) * up, ...)`` in fp32, plus (``grads = (dh, dg, du)``)
+    the SwiGLU backward into ``dg`` / ``du``; ``terms``: those of gate, up and dh (unchecked: [`_term`] checks them);
+    ``term_b_grads`` (with grads and the gate and up terms): also ``a_gate.T @ dg`` and ``a_up.T @ du`` in fp32."""
     kernel = _silu_mul_lora_kernel
     require_launchable(kernel, gate.device)
     g2, u2, t2 = _rows(gate), _rows(up), _rows(t)
     if t.dtype != gate.dtype or t2.shape[0] != g2.shape[0]:
         raise ValueError(f"`t` must be a ({g2.shape[0]}, r) {gate.dtype} tensor, got {tuple(t.shape)} {t.dtype}")
+    if term_b_grads and (grads is None or terms[0] is None or terms[1] is None):
+        raise ValueError("`term_b_grads=True` needs the gate and up grads and both `gate_term` and `up_term`.")
     rows, cols = g2.shape
     rank = t2.shape[1]
     block_m, block_n, warps, max_splits = (
@@ -344,16 +375,21 @@ def _lora_grad_a(t: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, grads: O
         _term_args(_term(term, like, name), like)
         for term, like, name in zip(terms, (g2, u2, dh), ("gate_term", "up_term", "grad_h_term"))
     )
-    ws = torch.empty(splits, rank, cols, dtype=torch.float32, device=gate.device)
-    args = (dh, g2, u2, dg, du, t2, ws, rows, cols, rank, rows_per_split, dh.stride(0), g2.stride(0), u2.stride(0),
-            dg.stride(0), du.stride(0), t2.stride(0), *g_args, *u_args, *d_args, block_m, block_n,
-            max(16, next_power_of_2(rank)), grads is not None, *g_flags, *u_flags, *d_flags,
+    workspaces = [torch.empty(splits, r, cols, dtype=torch.float32, device=gate.device)
+                  for r in [rank] + ([terms[0][0].shape[1], terms[1][0].shape[1]] if term_b_grads else [])]  # fmt: skip
+    ws = workspaces[0]
+    gws, uws = workspaces[1:] if term_b_grads else (ws, ws)  # unwritten without TERM_B_GRADS
+    args = (dh, g2, u2, dg, du, t2, ws, gws, uws, rows, cols, rank, rows_per_split, dh.stride(0), g2.stride(0),
+            u2.stride(0), dg.stride(0), du.stride(0), t2.stride(0), *g_args, *u_args, *d_args, block_m, block_n,
+            max(16, next_power_of_2(rank)), grads is not None, *g_flags, *u_flags, *d_flags, term_b_grads,
             is_interpreted(kernel))  # fmt: skip
     if rows and cols:
         launch(kernel, (cdiv(cols, block_n), splits), args, gate.device, num_warps=warps)
     else:
-        ws.zero_()
-    return ws[0] if splits == 1 else ws.sum(0)
+        for w in workspaces:
+            w.zero_()
+    # the splits' partial sums added in a fixed order: the same result every run
+    return tuple(w[0] if splits == 1 else w.sum(0) for w in workspaces)
 
 
 def silu_mul_t_matmul(t: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, gate_term: Optional[tuple] = None,
@@ -361,7 +397,7 @@ def silu_mul_t_matmul(t: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, 
     """``t.T @ silu(gate) * up`` as an fp32 ``(r, cols)`` tensor, ``h`` rounded to ``gate.dtype`` as [`silu_mul`]
     rounds it but never written: the down projection's ``dA`` (before the adapter's dtype) from ``t = s g @ B``.
     ``gate_term`` / ``up_term`` as in [`silu_mul`]."""
-    return _lora_grad_a(t, gate, up, None, (gate_term, up_term, None))
+    return _lora_grad_a(t, gate, up, None, (gate_term, up_term, None))[0]
 
 
 def silu_mul_backward_lora(
@@ -375,10 +411,16 @@ def silu_mul_backward_lora(
     gate_term: Optional[tuple] = None,
     up_term: Optional[tuple] = None,
     grad_h_term: Optional[tuple] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    term_b_grads: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """``(d gate, d up, t.T @ h)``: [`silu_mul_backward`] and [`silu_mul_t_matmul`] in one pass over gate and up
     (same arguments as [`silu_mul_backward`]; the product in fp32). ``gate_term`` / ``up_term`` / ``grad_h_term``:
     ``(a, b, scaling)``, the operand's pending ``scaling * a @ b.T`` (module docstring); grad_h's memory is only
-    written as d gate, with ``grad_h_is_scratch``."""
+    written as d gate, with ``grad_h_is_scratch``.
+
+    ``term_b_grads`` (needs ``gate_term`` and ``up_term``): two more outputs, ``a_gate.T @ d gate`` and ``a_up.T @
+    d up`` in fp32 (d gate and d up as returned), the gate and up terms' B grads transposed and before their scaling,
+    summed in the same pass instead of a later read of d gate and d up."""
     dg, du = _backward_outputs(grad_h, gate, up, grad_h_is_scratch, out_up)
-    return dg, du, _lora_grad_a(t, gate, up, (grad_h, dg, du), (gate_term, up_term, grad_h_term))
+    products = _lora_grad_a(t, gate, up, (grad_h, dg, du), (gate_term, up_term, grad_h_term), term_b_grads)
+    return dg, du, *products
