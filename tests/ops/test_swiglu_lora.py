@@ -4,6 +4,12 @@ group, ``grouped_lora_mlp``) against fp32 autograd of the separate projections; 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -377,6 +383,40 @@ def test_term_b_grads_are_summed_in_the_backward_pass(force_triton, rows, cols, 
     if rows:  # the twin's own d gate / d up may differ by an ulp here and there: close at the grads' tolerance
         assert_close_scaled(twin[3], gate_b, atol * rows**0.5, rtol, "twin against kernel, gate")
         assert_close_scaled(twin[4], up_b, atol * rows**0.5, rtol, "twin against kernel, up")
+
+
+SM90_TERM_B_GRADS = """
+import json
+from tests.ops._sm90_ptx import sm90_ptx
+from peft_fastlora.ops.kernels.swiglu import _silu_mul_lora_kernel as kernel
+
+constexprs = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_R=16, GRAD_H=True, GATE_TERM=True, BLOCK_RG=16, G_ALIGN=8,
+                  UP_TERM=True, BLOCK_RU=16, U_ALIGN=8, GRAD_H_TERM=True, BLOCK_RD=16, D_ALIGN=8, INTERPRET=False)
+fp32 = ("ws_ptr", "gws_ptr", "uws_ptr")
+counts = {}
+for flag in (False, True):
+    c = dict(constexprs, TERM_B_GRADS=flag)
+    signature = {n: "constexpr" if n in c else ("*fp32" if n in fp32 else "*bf16") if n.endswith("_ptr")
+                 else "fp32" if "scaling" in n else "i32" for n in kernel.arg_names}
+    counts[str(flag)] = sm90_ptx(kernel, signature, c, num_warps=4).count("mma.sync")
+print(json.dumps(counts))
+"""
+
+
+@pytest.mark.slow
+def test_term_b_grads_compile_for_sm90_as_two_more_tensor_core_dots():
+    """The backward kernel with every term, compiled for sm_90 ahead of time (no GPU; a subprocess, since the
+    interpreter's kernels cannot be compiled), 32 x 64 tiles on 4 warps: ``TERM_B_GRADS`` adds the two rank-16
+    products ``a.T @ d gate`` and ``a.T @ d up`` as tensor-core dots (4 mma each per warp), nothing else."""
+    pytest.importorskip("triton.backends.nvidia")
+    root = Path(__file__).resolve().parents[2]
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", SM90_TERM_B_GRADS], capture_output=True, text=True, env=env,
+                          cwd=root, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts == {"False": 16, "True": 24}, counts
 
 
 def test_term_b_grads_need_both_terms(force_triton):
