@@ -778,7 +778,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.arch != "llama" and "unsloth-nf4" in providers:
         raise SystemExit(f"unsloth-nf4 runs the Llama model only (benchmarks/unsloth_step.py); --arch {args.arch} "
                          "needs --providers without it")  # fmt: skip
-    if not args.in_process and len(providers) > 1:
+    # Unsloth always runs through the isolated runner (its own script, its own process), even as the only provider.
+    if not args.in_process and (len(providers) > 1 or "unsloth-nf4" in providers):
         return run_isolated(args, list(sys.argv[1:] if argv is None else argv), providers,
                             [p for p in gen_providers if p in providers], profile)  # fmt: skip
     if "unsloth-nf4" in providers:

@@ -468,6 +468,18 @@ def test_bench_train_step_runs_each_provider_in_its_own_process(tmp_path):
         assert (tmp_path / "providers" / provider / "train_step.csv").exists()
 
 
+def test_a_lone_unsloth_provider_still_runs_in_its_own_process(tmp_path, monkeypatch):
+    """Unsloth patches transformers on import: even as the only provider it goes through the isolated runner (which
+    starts its own script), not the in-process loop that refuses it."""
+    B = _bench_train_step()
+    calls = []
+    monkeypatch.setattr(B, "run_isolated", lambda args, argv, providers, *rest: calls.append(providers) or 0)
+    assert B.main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--providers", "unsloth-nf4", "--no-gen"]) == 0
+    assert calls == [["unsloth-nf4"]]
+    with pytest.raises(SystemExit, match="its own process"):
+        B.main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--providers", "unsloth-nf4", "--in-process"])
+
+
 def test_child_argv_drops_the_options_the_parent_sets():
     B = _bench_train_step()
     argv = ["--tiny", "--providers", "a,b", "--out=x", "--model-dir", "m", "--keep-model", "--steps", "3", "--no-gen",
