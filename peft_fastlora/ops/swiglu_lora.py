@@ -27,8 +27,9 @@ from .quant_state import QuantizedWeight
 from .reference import silu_mul_ref
 
 # The gate and up terms' B grads (s dg.T @ xa) summed in the SwiGLU backward's pass, which makes dg and du in
-# registers, instead of two cuBLAS calls that read dg and du back (2 x 235 MB at 8,192 tokens of Llama-3-8B).
-B_GRADS_IN_SWIGLU_PASS = False
+# registers, instead of two cuBLAS calls that read dg and du back (2 x 235 MB at 8,192 tokens of Llama-3-8B): that
+# backward with both B grads took 0.603 ms against 0.667 ms on an H100 (benchmarks/bench_lowrank.py, 2026-12-06).
+B_GRADS_IN_SWIGLU_PASS = True
 
 
 class SwiGLULoraFunction(torch.autograd.Function):
