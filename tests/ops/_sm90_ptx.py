@@ -36,19 +36,31 @@ COMMON = dict(BLOCKSIZE=64, NESTED=True, NESTED_BLOCKSIZE=256, SUB=64, HAS_BIAS=
               XA_COPY_STRIDE=32, XA_POLLS=16384, INTERPRET=False, MUL_RN=True, PACKED_DOT=False)  # fmt: skip
 
 
-def sm90_ptx(fn, signature: dict, constexprs: dict, **options) -> str:
+# What a launch on a real model tells Triton: every pointer 16-byte aligned, and these integers multiples of 16
+# (Triton specializes both; the loads' vector widths depend on it).
+MULTIPLES_OF_16 = ("N", "K", "stride_xm", "stride_wn", "stride_lxm", "stride_an", "stride_om", "k_per_split",
+                   "xa_chunk")  # fmt: skip
+
+
+def sm90_ptx(fn, signature: dict, constexprs: dict, attrs: dict | None = None, **options) -> str:
     """The PTX of ``@triton.jit`` function ``fn`` compiled for sm_90 with launch ``options`` (``signature``: every
-    parameter's type, the constexprs' as ``"constexpr"``)."""
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    parameter's type, the constexprs' as ``"constexpr"``; ``attrs``: Triton's specialization attributes by
+    parameter index)."""
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
-def ptx(w_type: str, absmax_type: str, constexprs: dict, num_warps: int) -> str:
+def ptx(w_type: str, absmax_type: str, constexprs: dict, num_warps: int, aligned: bool = False) -> str:
+    """The fused small-M kernel's PTX; ``aligned``: specialized as a launch on a real model's shapes would be."""
     constexprs = {**COMMON, **constexprs}
     types = {**POINTERS, "w_ptr": w_type, "absmax_ptr": absmax_type}
     signature = {name: types.get(name) or ("constexpr" if name in constexprs else "fp32" if name == "scaling" else
                                            "i32") for name in KERNEL_PARAMS}  # fmt: skip
-    return sm90_ptx(_fused_small_m_kernel, signature, constexprs, num_warps=num_warps)
+    attrs = None
+    if aligned:
+        divisible = [i for i, name in enumerate(KERNEL_PARAMS) if name in MULTIPLES_OF_16 or name.endswith("_ptr")]
+        attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
+    return sm90_ptx(_fused_small_m_kernel, signature, constexprs, attrs, num_warps=num_warps)
 
 
 def main() -> None:

@@ -82,6 +82,32 @@ def test_compiled_packed_path_decodes_by_permutes_and_sums_in_bf16x2():
     assert counts["false"]["code_shuffles"] > 0 and counts["false"]["fma_bf16x2"] == 0, counts
 
 
+SM90_WORD_LOADS = """
+import json, re, sys
+sys.path.insert(0, ".")
+from tests.ops._sm90_ptx import ptx
+widths = {}
+for packed in (False, True):
+    text = ptx("*i32", "*u8", dict(USE_DOT=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, FACTOR_SCALES=True,
+                                   SHUFFLE_LUT=True, PACKED_DOT=packed, HAS_LORA=False, SPLIT_K=1), 1, aligned=True)
+    widths[packed] = sorted(set(re.findall(r"ld\\.global\\.(v[24])\\.b32", text)))
+print(json.dumps(widths))
+"""
+
+
+def test_compiled_m1_path_loads_words_and_x_as_16_byte_vectors():
+    """Specialized as on a real model (aligned pointers, K a multiple of 16), the M = 1 kernel's words and x load
+    4 x 32 bits at a time on both paths: with k0 known only as a multiple of 16 and a mask per word, Triton split
+    the word loads into 8-byte ones (``_load_words``)."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", SM90_WORD_LOADS], cwd=REPO, capture_output=True, text=True, env=env,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    widths = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert widths == {"false": ["v4"], "true": ["v4"]}, widths
+
+
 def test_packed_dot_ptx_is_four_bf16x2_fmas():
     assert PACKED_DOT_PTX.value.count("fma.rn.bf16x2") == 4
 
