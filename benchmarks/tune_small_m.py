@@ -183,10 +183,12 @@ def split_candidates(m: int, n: int, k: int, use_dot: bool, block_n: int, block_
     return sorted((near or ranked[:1])[:keep])
 
 
-def candidate_grid(m: int, n: int, k: int, sms: int, unfactored: bool = False) -> list[Tiling]:
+def candidate_grid(m: int, n: int, k: int, sms: int, unfactored: bool = False, m1_stages=(1,)) -> list[Tiling]:
     """Pass-1 candidates for ``m`` rows: M=1: FMA tilings, the same with the packed bf16 path (``packed_dot``,
     which the launcher uses on bf16 rows only) and tensor-core tiles at 4 warps (and with ``unfactored``, FMA tiles at
-    4 warps with ``factor_scales=False``); M>1: tensor-core tilings."""
+    4 warps with ``factor_scales=False``); each M=1 FMA tiling also with every ``m1_stages`` above 1 (its tiles
+    staged through shared memory by Triton's pipeliner instead of prefetched in registers); M>1: tensor-core
+    tilings."""
     groups = [("fma", False, FMA_WARPS, None, False), ("fma-packed", False, (1,), None, True),
               ("dot-m1", True, (4,), None, False)] if m == 1 else [("dot", True, WARPS, None, False)]  # fmt: skip
     if m == 1 and unfactored:
@@ -196,8 +198,11 @@ def candidate_grid(m: int, n: int, k: int, sms: int, unfactored: bool = False) -
         for bn, bk, nw in tile_grid(use_dot, warps):
             if bk > max(16, 1 << (k - 1).bit_length()):  # a tile wider than K only adds masked lanes
                 continue
-            for s in split_candidates(m, n, k, use_dot, bn, bk, nw, sms, SPLITS_KEPT[name]):
-                grid.append(make_tiling(k, use_dot, bn, bk, s, nw, factor_scales=factor_scales, packed_dot=packed))
+            stages = m1_stages if m == 1 and not use_dot and factor_scales is None else (1,)
+            for s, st in itertools.product(split_candidates(m, n, k, use_dot, bn, bk, nw, sms, SPLITS_KEPT[name]),
+                                           stages):  # fmt: skip
+                grid.append(make_tiling(k, use_dot, bn, bk, s, nw, st, factor_scales=factor_scales,
+                                        packed_dot=packed))  # fmt: skip
     return list(dict.fromkeys(grid))
 
 
@@ -321,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="no search: time the heuristic's tiling (what an untabled shape runs) and the shipped table's against "
         "the large-M path and PEFT+bnb at every M; writes no JSON table",
     )
+    p.add_argument("--m1-stages", type=lambda v: tuple(int(s) for s in v.split(",")), default=(1,),
+                   help="num_stages of the M=1 FMA tilings, e.g. 1,3,4 (> 1: loads staged by Triton's pipeliner)")
     p.add_argument("--sms", type=int, default=132, help="SM count assumed by --plan (H100/H200 SXM: 132)")
     return p
 
@@ -712,7 +719,8 @@ class Tuner:
     def pass1_candidates(self, case: Case, m: int) -> list[tuple[Tiling, str]]:
         if self.args.check_defaults:
             return self.check_candidates(case, m)
-        grid = candidate_grid(m, case.n, case.k, self.sms, unfactored=case.kind == "nf4")
+        grid = candidate_grid(m, case.n, case.k, self.sms, unfactored=case.kind == "nf4",
+                              m1_stages=self.args.m1_stages)  # fmt: skip
         return [(self.default_tiling(case, m), "default")] + [(t, "grid") for t in grid]
 
     def pass2_candidates(self, case: Case, m: int) -> list[tuple[Tiling, str]]:
@@ -981,7 +989,7 @@ def print_plan(args) -> None:
     for kind in args.kinds:
         distinct: set[Tiling] = set()
         for (n, k), m in itertools.product(args.shapes, [m for m in PASS1_MS if m in args.ms]):
-            grid = candidate_grid(m, n, k, args.sms, unfactored=kind == "nf4")
+            grid = candidate_grid(m, n, k, args.sms, unfactored=kind == "nf4", m1_stages=args.m1_stages)
             distinct.update(grid)
             print(f"  {kind:4s} {shape_key(n, k):11s} M={m:<3d} {len(grid):3d} tilings "
                   f"({sum(not t.use_dot for t in grid)} FMA, {sum(t.use_dot for t in grid)} tensor-core)")  # fmt: skip

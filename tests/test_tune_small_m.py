@@ -150,6 +150,19 @@ def test_grid_is_pruned_and_valid(n, k, m):
         assert all(t.use_dot and t.factor_scales is True and not t.packed_dot for t in grid)
 
 
+@pytest.mark.parametrize("m", [1, 16])
+def test_m1_stages_add_staged_copies_of_the_factored_fma_tilings_only(m):
+    n, k = 4096, 14336
+    plain = T.candidate_grid(m, n, k, SMS, unfactored=True)
+    staged = T.candidate_grid(m, n, k, SMS, unfactored=True, m1_stages=(1, 3))
+    extra = [t for t in staged if t not in plain]
+    if m == 1:
+        expected = [dataclasses.replace(t, num_stages=3) for t in plain if not t.use_dot and t.factor_scales]
+        assert sorted(map(str, extra)) == sorted(map(str, expected)) and extra
+    else:
+        assert staged == plain and not extra
+
+
 def test_compiled_variants_stay_few():
     """Triton compiles one binary per tiling (split_k included): the pass-1 grid over the default shapes is bounded."""
     distinct = {t for n, k in T.SHAPES for m in (1, 16) for t in T.candidate_grid(m, n, k, SMS, unfactored=True)}

@@ -33,7 +33,8 @@ VARIANTS = {
 }
 COMMON = dict(BLOCKSIZE=64, NESTED=True, NESTED_BLOCKSIZE=256, SUB=64, HAS_BIAS=False, HAS_LORA=True, DOT_FP32=False,
               LORA_DOT_FP32=False, BLOCK_R=16, SPLIT_K=8, XA_BLOCK_K=128, XA_MAX_CHUNKS=16, XA_COPIES=8,
-              XA_COPY_STRIDE=32, XA_POLLS=16384, INTERPRET=False, MUL_RN=True, PACKED_DOT=False)  # fmt: skip
+              XA_COPY_STRIDE=32, XA_POLLS=16384, INTERPRET=False, MUL_RN=True, PACKED_DOT=False,
+              LOAD_STAGES=1)  # fmt: skip
 
 
 # What a launch on a real model tells Triton: every pointer 16-byte aligned, and these integers multiples of 16

@@ -190,6 +190,9 @@ TILINGS = [
     ("nf4-128-nested", 1, SmallMConfig(use_dot=False, block_n=16, block_k=64, split_k=3)),
     ("nf4-64-nested", 1, SmallMConfig(use_dot=False, block_n=8, block_k=128, split_k=1, factor_scales=False)),
     ("fp4-64", 1, SmallMConfig(use_dot=False, block_n=16, block_k=32)),
+    # ... factored, tiles staged by Triton's pipeliner (num_stages > 1) instead of prefetched in registers
+    ("nf4-64-nested", 1, SmallMConfig(use_dot=False, block_n=8, block_k=64, split_k=2, num_stages=3)),
+    ("nf4-128-nested", 1, SmallMConfig(use_dot=False, block_n=16, block_k=64, split_k=3, num_stages=4)),
     # tensor-core programs of 32 / 64 rows: 20 rows in one (part-empty) tile, 40 rows in two, 33 in one
     ("nf4-64-nested", 20, SmallMConfig(use_dot=True, block_n=16, block_k=64, split_k=2, block_m=32)),
     ("int8", 40, SmallMConfig(use_dot=True, block_n=16, block_k=64, block_m=32)),

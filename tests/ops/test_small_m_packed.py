@@ -136,6 +136,7 @@ def test_packed_path_runs_only_on_compiled_factored_bf16_launches(dtype, factor_
 PACKED_CONFIGS = [
     SmallMConfig(use_dot=False, block_n=8, block_k=512, split_k=1, num_warps=1, packed_dot=True),
     SmallMConfig(use_dot=False, block_n=16, block_k=256, split_k=3, num_warps=2, packed_dot=True),
+    SmallMConfig(use_dot=False, block_n=8, block_k=256, split_k=2, num_warps=1, num_stages=3, packed_dot=True),
 ]
 
 

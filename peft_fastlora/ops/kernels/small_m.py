@@ -223,7 +223,7 @@ KERNEL_PARAMS = (
     "k_per_split", "n_chunks", "xa_chunk", "WEIGHT_KIND", "BLOCKSIZE", "NESTED", "NESTED_BLOCKSIZE", "SUB", "HAS_BIAS",
     "HAS_LORA", "USE_DOT", "DOT_FP32", "LORA_DOT_FP32", "BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_R", "SPLIT_K",
     "XA_BLOCK_K", "XA_MAX_CHUNKS", "XA_COPIES", "XA_COPY_STRIDE", "XA_POLLS", "INTERPRET", "FACTOR_SCALES", "MUL_RN",
-    "SHUFFLE_LUT", "PACKED_DOT",
+    "SHUFFLE_LUT", "PACKED_DOT", "LOAD_STAGES",
 )  # fmt: skip
 assert KERNEL_PARAMS == tuple(inspect.signature(_fused_small_m_kernel.fn).parameters)
 
@@ -297,6 +297,7 @@ class SmallMLaunch:
             not interpret,  # MUL_RN
             not interpret,  # SHUFFLE_LUT: inline PTX, compiled kernels only
             self.packed_dot,  # PACKED_DOT
+            config.num_stages if factor_scales else 1,  # LOAD_STAGES
         )  # fmt: skip
         assert len(self.args) == len(KERNEL_PARAMS)
         self.compiled = None  # the compiled kernel, once a call has matched it ...

@@ -451,6 +451,7 @@ def _fused_small_m_kernel(
     MUL_RN: tl.constexpr,  # exact nested-absmax decode with fp fusion on (compiled kernels; see _decode_absmax)
     SHUFFLE_LUT: tl.constexpr,  # 4-bit code lookups by warp shuffle (compiled kernels; see _lookup_codes)
     PACKED_DOT: tl.constexpr,  # FACTOR_SCALES in packed bf16 math (compiled kernels, bf16 rows; _packed_word_sums)
+    LOAD_STAGES: tl.constexpr,  # FACTOR_SCALES: > 1, tiles staged by Triton's pipeliner (cp.async), not prefetched
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -472,7 +473,8 @@ def _fused_small_m_kernel(
 
     # Software prefetch: the reads of tile i + 1 (weight codes, scales, x) are issued before tile i is decoded and
     # multiplied. (Triton's own pipeliner, num_stages > 1, would also stage the per-element code-table gathers
-    # through shared memory.) A prefetch past k_end is fully masked and reads nothing.
+    # through shared memory; the FACTOR_SCALES path has none and may use it instead: LOAD_STAGES.) A prefetch past
+    # k_end is fully masked and reads nothing.
     if SHUFFLE_LUT and WEIGHT_KIND == WEIGHT_4BIT_ALIGNED:  # int8 has no code table (its code_ptr is a stand-in)
         lane_entry = _lane_code_entry(code_ptr)
     else:
@@ -480,16 +482,21 @@ def _fused_small_m_kernel(
     if FACTOR_SCALES:
         # Here w_ptr holds int32 words and stride_wn counts words (small_m.py).
         x_row_ptr = x_ptr + pid_m * stride_xm
-        words, raw_scale, x_cur = _load_words(w_ptr, absmax_ptr, x_row_ptr, offs_n, k_start, k_end, N, K, stride_wn,
-                                              BLOCKSIZE, SUB, BLOCK_K, PACKED_DOT)  # fmt: skip
+        if LOAD_STAGES == 1:
+            words, raw_scale, x_cur = _load_words(w_ptr, absmax_ptr, x_row_ptr, offs_n, k_start, k_end, N, K,
+                                                  stride_wn, BLOCKSIZE, SUB, BLOCK_K, PACKED_DOT)  # fmt: skip
         if PACKED_DOT:
             table = _permute_table(lane_entry)
-            word_sums = tl.zeros(words.shape, dtype=tl.float32)
+            word_sums = tl.zeros((BLOCK_N, BLOCK_K // SUB, SUB // 8), dtype=tl.float32)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            cur_words, cur_scale, cur_x = words, raw_scale, x_cur
-            words, raw_scale, x_cur = _load_words(w_ptr, absmax_ptr, x_row_ptr, offs_n, k0 + BLOCK_K, k_end, N, K,
-                                                  stride_wn, BLOCKSIZE, SUB, BLOCK_K, PACKED_DOT)  # fmt: skip
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOAD_STAGES):
+            if LOAD_STAGES > 1:  # Triton's pipeliner copies these tiles to shared memory, LOAD_STAGES - 1 ahead
+                cur_words, cur_scale, cur_x = _load_words(w_ptr, absmax_ptr, x_row_ptr, offs_n, k0, k_end, N, K,
+                                                          stride_wn, BLOCKSIZE, SUB, BLOCK_K, PACKED_DOT)  # fmt: skip
+            else:
+                cur_words, cur_scale, cur_x = words, raw_scale, x_cur
+                words, raw_scale, x_cur = _load_words(w_ptr, absmax_ptr, x_row_ptr, offs_n, k0 + BLOCK_K, k_end, N,
+                                                      K, stride_wn, BLOCKSIZE, SUB, BLOCK_K, PACKED_DOT)  # fmt: skip
             if PACKED_DOT:
                 scale = _sub_block_scales(cur_scale, nested_code_ptr, nested_absmax_ptr, offset_ptr, offs_n, k0, k_end,
                                           N, K, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, SUB, BLOCK_K // SUB, MUL_RN)

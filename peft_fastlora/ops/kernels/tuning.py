@@ -56,7 +56,9 @@ class SmallMConfig:
     split_k: int = 1
     num_warps: int = 4
     # 1 = no software pipelining: with more stages Triton's pipeliner also routes the per-element code-table
-    # gathers through shared memory (cp.async), which costs more than the latency it hides here.
+    # gathers through shared memory (cp.async), which costs more than the latency it hides here. On the M = 1
+    # factor_scales path (no gathers), > 1 stages its tiles through shared memory this many deep instead of the
+    # kernel's register prefetch (LOAD_STAGES; the tuner tries it with --m1-stages).
     num_stages: int = 1
     # M = 1 with 4-bit rows of whole absmax blocks: sum code * x over each block, then multiply by the block's scale
     # once (instead of scaling and rounding every weight). About half the instructions per weight; W is then not
