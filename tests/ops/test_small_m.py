@@ -34,6 +34,7 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1", allow_module_level=True)
 from peft_fastlora.ops.kernels.small_m import (  # noqa: E402
     XA_MAX_CHUNKS,
+    packs_dot,
     pick_config,
     small_m_linear,
     small_m_linear_tiled,
@@ -60,7 +61,7 @@ def factored(weight, config: SmallMConfig) -> bool:
     return aligned and config.factor_scales and not config.use_dot
 
 
-def check(y, x, weight, bias, lora_a, lora_b, scaling, lora_x, atol, rtol, factored_scales=None, packed_dot=False):
+def check(y, x, weight, bias, lora_a, lora_b, scaling, lora_x, atol, rtol, factored_scales=None, packed_dot=None):
     """Asserts ``y`` against ``lora_linear_ref`` (roundings bounded term by term) and against the exact fp64 value.
 
     ``atol``/``rtol`` (per dtype, from ``TOLERANCES``) bound the comparison where the terms do not cancel. Where they
@@ -77,9 +78,13 @@ def check(y, x, weight, bias, lora_a, lora_b, scaling, lora_x, atol, rtol, facto
     n = weight.shape[0]
     assert y.shape == (*x.shape[:-1], n) and y.dtype == x.dtype and y.device == x.device
     expected = lora_linear_ref(x, weight, bias, lora_a, lora_b, scaling, lora_x)
-    if factored_scales is None:  # what the default tiling does
+    if factored_scales is None:  # what the default tiling does (a tuning table may also pack)
         rows = x.numel() // x.shape[-1]
-        factored_scales = factored(weight, pick_config(rows, n, x.shape[-1], x.device, weight_kind(weight)))
+        config = pick_config(rows, n, x.shape[-1], x.device, weight_kind(weight))
+        factored_scales = factored(weight, config)
+        if packed_dot is None:
+            packed_dot = packs_dot(config, x.dtype, factored_scales, x.device.type != "cuda")
+    packed_dot = bool(packed_dot)  # a caller that names its tiling says whether it packs
 
     # fp64 oracle of the kernel's math: W and bias rounded to x.dtype, xa = lora_x @ A.T in the adapter dtype. With
     # factored scales the kernel never rounds W: the oracle uses the fp32 W, and the reference's rounding of W
