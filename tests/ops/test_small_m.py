@@ -32,6 +32,7 @@ from .helpers import DEVICE, make_inputs, make_weight
 
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1", allow_module_level=True)
+from peft_fastlora.ops.kernels.launch import is_interpreted  # noqa: E402
 from peft_fastlora.ops.kernels.small_m import (  # noqa: E402
     XA_MAX_CHUNKS,
     packs_dot,
@@ -41,6 +42,7 @@ from peft_fastlora.ops.kernels.small_m import (  # noqa: E402
     weight_kind,
     xa_chunking,
 )
+from peft_fastlora.ops.kernels.small_m_kernel import _fused_small_m_kernel  # noqa: E402
 
 TOLERANCES = [
     (torch.float32, 1e-5, 1e-5),
@@ -83,7 +85,7 @@ def check(y, x, weight, bias, lora_a, lora_b, scaling, lora_x, atol, rtol, facto
         config = pick_config(rows, n, x.shape[-1], x.device, weight_kind(weight))
         factored_scales = factored(weight, config)
         if packed_dot is None:
-            packed_dot = packs_dot(config, x.dtype, factored_scales, x.device.type != "cuda")
+            packed_dot = packs_dot(config, x.dtype, factored_scales, is_interpreted(_fused_small_m_kernel))
     packed_dot = bool(packed_dot)  # a caller that names its tiling says whether it packs
 
     # fp64 oracle of the kernel's math: W and bias rounded to x.dtype, xa = lora_x @ A.T in the adapter dtype. With

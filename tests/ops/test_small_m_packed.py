@@ -54,6 +54,17 @@ def test_table_and_decode_give_each_nibble_its_bf16_code(kind):
             assert decoded == [bits[q] for q in word_nibbles(word)], hex(word)
 
 
+def _sm90_script_json(script: str):
+    """The JSON that ``script`` prints last, run in a subprocess without ``TRITON_INTERPRET`` (the interpreter cannot
+    compile ahead of time for sm_90; no GPU needed)."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, env=env,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 SM90_PACKED = """
 import json, sys
 sys.path.insert(0, ".")
@@ -72,12 +83,7 @@ def test_compiled_packed_path_decodes_by_permutes_and_sums_in_bf16x2():
     """Compiled for sm_90 ahead of time (no GPU; a subprocess, as the interpreter cannot compile), 8 x 512 tiles on
     one warp: the packed path has no per-weight code shuffle; each thread's 16 words a step take 14 permutes each
     (plus 8 that build the table once) and 4 bf16x2 FMAs each. The default path looks codes up by shuffle."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", SM90_PACKED], cwd=REPO, capture_output=True, text=True, env=env,
-                          timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    counts = _sm90_script_json(SM90_PACKED)
     assert counts["true"] == {"code_shuffles": 0, "prmt": 16 * 14 + 8, "fma_bf16x2": 16 * 4}, counts
     assert counts["false"]["code_shuffles"] > 0 and counts["false"]["fma_bf16x2"] == 0, counts
 
@@ -99,12 +105,7 @@ def test_compiled_m1_path_loads_words_and_x_as_16_byte_vectors():
     """Specialized as on a real model (aligned pointers, K a multiple of 16), the M = 1 kernel's words and x load
     4 x 32 bits at a time on both paths: with k0 known only as a multiple of 16 and a mask per word, Triton split
     the word loads into 8-byte ones (``_load_words``)."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", SM90_WORD_LOADS], cwd=REPO, capture_output=True, text=True, env=env,
-                          timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    widths = json.loads(proc.stdout.strip().splitlines()[-1])
+    widths = _sm90_script_json(SM90_WORD_LOADS)
     assert widths == {"false": ["v4"], "true": ["v4"]}, widths
 
 
